@@ -1,0 +1,126 @@
+"""Optimizer names and ``build_optimizer``: from a model to configured param groups.
+
+A name is a configuration of the composable pieces (update rule × projection); the modules
+whose weights are projected are chosen with Hugging Face's ``optim_target_modules`` semantics.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from slimopt.optimizer import PROJECTION_DEFAULTS, GaLoreAdafactor, GaLoreAdamW, GaLoreOptimizer
+
+DEFAULT_RANK = 128
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer class and whether its selected matrices are projected."""
+
+    cls: type[GaLoreOptimizer]
+    projected: bool
+
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    "adamw": OptimizerSpec(GaLoreAdamW, projected=False),
+    "galore_adamw": OptimizerSpec(GaLoreAdamW, projected=True),
+    "galore_adafactor": OptimizerSpec(GaLoreAdafactor, projected=True),
+}
+
+
+def available_optimizers() -> list[str]:
+    """Return the names ``build_optimizer`` accepts."""
+    return list(OPTIMIZERS)
+
+
+def output_head(model: nn.Module) -> nn.Module | None:
+    """Return the model's output projection (``get_output_embeddings()`` or ``lm_head``), if any."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if isinstance(head, nn.Module):
+        return head
+    return getattr(model, "lm_head", None)
+
+
+def select_target_modules(model: nn.Module, target_modules: str | list[str] | None = None) -> list[str]:
+    """Return the names of the ``nn.Linear`` modules selected by ``target_modules``.
+
+    ``None``: every linear layer except the output head (the attention and MLP projections of a
+    transformer). ``"all-linear"``: every linear layer. A string: a regular expression that must
+    match a module name in full. A list: module names, substrings of names, or full-match regexes.
+    Raises ``ValueError`` when nothing is selected.
+    """
+    linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    if target_modules is None:
+        head = output_head(model)
+        selected = [name for name, module in linears.items() if module is not head]
+    elif isinstance(target_modules, str) and target_modules.replace("_", "-") == "all-linear":
+        selected = list(linears)
+    elif isinstance(target_modules, str):
+        selected = [name for name in linears if re.fullmatch(target_modules, name)]
+    else:
+        keys = list(target_modules)
+        selected = [
+            name
+            for name in linears
+            if any(key == name or key in name or re.fullmatch(key, name) for key in keys)
+        ]
+    if not selected:
+        shown = ", ".join(list(linears)[:8]) + (", …" if len(linears) > 8 else "")
+        raise ValueError(
+            f"target_modules={target_modules!r} matches no nn.Linear module; "
+            f"linear modules of this model: {shown or 'none'}"
+        )
+    return selected
+
+
+def build_optimizer(
+    model: nn.Module,
+    name: str,
+    *,
+    lr: float | None,
+    rank: int | None = None,
+    target_modules: str | list[str] | None = None,
+    **options: Any,
+) -> GaLoreOptimizer:
+    """Return optimizer ``name`` configured for ``model``.
+
+    Projected optimizers get one group with the weights of the selected linear modules (rank
+    ``rank``, default 128, plus any projection ``options``); every other matrix forms a plain
+    group; 1-D parameters (biases, norms) form a plain group without weight decay. Remaining
+    ``options`` (``weight_decay``, ``betas``, …) go to the optimizer class. Raises ``ValueError``
+    for an unknown name, for projection options on an unprojected optimizer, or for a target
+    selection that matches nothing.
+    """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; available: {', '.join(available_optimizers())}")
+    spec = OPTIMIZERS[name]
+    projection = {key: options.pop(key) for key in list(options) if key in PROJECTION_DEFAULTS}
+    if not spec.projected and (rank is not None or target_modules is not None or projection):
+        given = ["rank"] * (rank is not None) + ["target_modules"] * (target_modules is not None)
+        raise ValueError(
+            f"optimizer {name!r} does not project gradients; remove {', '.join(given + list(projection))} "
+            f"or choose one of: {', '.join(n for n, s in OPTIMIZERS.items() if s.projected)}"
+        )
+    params = {id(p): p for p in model.parameters() if p.requires_grad}
+    projected_ids: set[int] = set()
+    if spec.projected:
+        modules = dict(model.named_modules())
+        for module_name in select_target_modules(model, target_modules):
+            weight = modules[module_name].weight
+            if weight.requires_grad:
+                projected_ids.add(id(weight))
+    groups = [
+        {
+            "params": [p for i, p in params.items() if i in projected_ids],
+            "rank": DEFAULT_RANK if rank is None else rank,
+            **projection,
+        },
+        {"params": [p for i, p in params.items() if i not in projected_ids and p.dim() >= 2]},
+        {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return spec.cls([g for g in groups if g["params"]], lr=lr, **options)

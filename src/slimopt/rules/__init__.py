@@ -1,0 +1,38 @@
+"""Update rules: the optimizer math on fp32 tensors, independent of projection and storage.
+
+A rule owns the moments of one parameter (``init_state``), turns a gradient into an update
+direction while advancing those moments (``direction``) and says how large a step to take
+(``step_size``). It never knows whether the gradient it sees was projected. ``moment_kinds``
+tells the projection how each moment transforms when the basis changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from slimopt.rules.adafactor import AdafactorRule
+from slimopt.rules.adamw import AdamWRule
+
+__all__ = ["AdafactorRule", "AdamWRule", "UpdateRule"]
+
+
+class UpdateRule(Protocol):
+    """What the optimizer shell needs from an update rule."""
+
+    # state key -> "linear" (first-moment-like) or "square" (second-moment-like)
+    moment_kinds: dict[str, str]
+
+    def validate(self, group: dict[str, Any]) -> list[str]:
+        """Return one message per invalid hyperparameter of ``group`` (empty when valid)."""
+
+    def init_state(self, grad: Tensor, group: dict[str, Any], *, projected: bool) -> dict[str, Tensor]:
+        """Return zero moments for a (projected) fp32 gradient like ``grad``."""
+
+    def direction(self, grad: Tensor, state: dict[str, Tensor], age: int, group: dict[str, Any]) -> Tensor:
+        """Advance the moments in ``state`` with ``grad`` (step number ``age``, from 1) and return
+        the update direction, which the shell scales by ``-step_size``."""
+
+    def step_size(self, group: dict[str, Any], param: Tensor, age: int) -> float:
+        """Return the learning rate for this step of ``param`` (fp32 view of the weights)."""

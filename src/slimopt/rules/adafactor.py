@@ -1,0 +1,91 @@
+"""Adafactor (Shazeer & Stern 2018) in the Hugging Face formulation: factored second moment for
+matrices, optional first moment, update clipping, relative step size.
+
+Two deliberate differences from galore-torch's GaLoreAdafactor:
+
+- In a projected space the second moment is kept whole (r×n), not factored. The projected state
+  is already small, and factoring it on top of the low-rank projection would approximate twice.
+  Unprojected matrices keep the factored row/column statistics.
+- The first moment averages the clipped direction before the learning rate is applied, so it is
+  independent of the schedule and can be rotated with the basis like Adam's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+
+def _rms(tensor: Tensor) -> Tensor:
+    return tensor.norm(2) / math.sqrt(tensor.numel())
+
+
+class AdafactorRule:
+    """Adafactor direction ``clip(g / √v̂)`` with optional momentum."""
+
+    moment_kinds: ClassVar[dict[str, str]] = {"exp_avg": "linear", "exp_avg_sq": "square"}
+
+    def validate(self, group: dict[str, Any]) -> list[str]:
+        errors = []
+        lr, relative = group["lr"], group["relative_step"]
+        if lr is None and not relative:
+            errors.append("lr is required when relative_step is False")
+        if lr is not None and relative:
+            errors.append("a manual lr cannot be combined with relative_step=True")
+        if lr is not None and not lr >= 0.0:
+            errors.append(f"lr must be >= 0, got {lr!r}")
+        if group["warmup_init"] and not relative:
+            errors.append("warmup_init=True requires relative_step=True")
+        beta1 = group["beta1"]
+        if beta1 is not None and not 0.0 <= beta1 < 1.0:
+            errors.append(f"beta1 must be None or in [0, 1), got {beta1!r}")
+        if not group["decay_rate"] < 0.0:
+            errors.append(f"decay_rate must be < 0, got {group['decay_rate']!r}")
+        if not group["clip_threshold"] > 0.0:
+            errors.append(f"clip_threshold must be > 0, got {group['clip_threshold']!r}")
+        eps = group["eps"]
+        if not (isinstance(eps, (tuple, list)) and len(eps) == 2 and min(eps) >= 0):
+            errors.append(f"eps must be a pair of non-negative floats, got {eps!r}")
+        return errors
+
+    def init_state(self, grad: Tensor, group: dict[str, Any], *, projected: bool) -> dict[str, Tensor]:
+        state = {}
+        if group["beta1"] is not None:
+            state["exp_avg"] = torch.zeros_like(grad)
+        if grad.dim() >= 2 and not projected:
+            state["exp_avg_sq_row"] = grad.new_zeros(grad.shape[:-1])
+            state["exp_avg_sq_col"] = grad.new_zeros(grad.shape[:-2] + grad.shape[-1:])
+        else:
+            state["exp_avg_sq"] = torch.zeros_like(grad)
+        return state
+
+    def direction(self, grad: Tensor, state: dict[str, Tensor], age: int, group: dict[str, Any]) -> Tensor:
+        weight = math.pow(age, group["decay_rate"])  # 1 - beta2_t, with beta2_t = 1 - t^decay_rate
+        squared = grad.square().add_(group["eps"][0])
+        if "exp_avg_sq_row" in state:
+            row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+            row.lerp_(squared.mean(dim=-1), weight)
+            col.lerp_(squared.mean(dim=-2), weight)
+            row_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+            update = row_factor * col.unsqueeze(-2).rsqrt() * grad
+        else:
+            exp_avg_sq = state["exp_avg_sq"]
+            exp_avg_sq.lerp_(squared, weight)
+            update = exp_avg_sq.rsqrt() * grad
+        update.div_((_rms(update) / group["clip_threshold"]).clamp_(min=1.0))
+        if "exp_avg" in state:
+            state["exp_avg"].lerp_(update, 1 - group["beta1"])
+            update = state["exp_avg"].clone()
+        return update
+
+    def step_size(self, group: dict[str, Any], param: Tensor, age: int) -> float:
+        step = group["lr"]
+        if group["relative_step"]:
+            ceiling = 1e-6 * age if group["warmup_init"] else 1e-2
+            step = min(ceiling, 1.0 / math.sqrt(age))
+        if group["scale_parameter"]:
+            step *= max(group["eps"][1], _rms(param).item())
+        return step

@@ -1,0 +1,49 @@
+"""AdamW (Loshchilov & Hutter), with torch.optim.AdamW's conventions: eps added to the
+bias-corrected √v, decoupled weight decay applied by the optimizer shell."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+
+class AdamWRule:
+    """Adam moments and direction ``m̂ / (√v̂ + eps)``."""
+
+    moment_kinds: ClassVar[dict[str, str]] = {"exp_avg": "linear", "exp_avg_sq": "square"}
+
+    def validate(self, group: dict[str, Any]) -> list[str]:
+        errors = []
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            errors.append(f"betas must be a pair of floats in [0, 1), got {betas!r}")
+        else:
+            errors += [
+                f"betas[{i}] must be in [0, 1), got {beta!r}"
+                for i, beta in enumerate(betas)
+                if not 0.0 <= beta < 1.0
+            ]
+        if not group["eps"] >= 0.0:
+            errors.append(f"eps must be >= 0, got {group['eps']!r}")
+        if not group["lr"] >= 0.0:
+            errors.append(f"lr must be >= 0, got {group['lr']!r}")
+        return errors
+
+    def init_state(self, grad: Tensor, group: dict[str, Any], *, projected: bool) -> dict[str, Tensor]:
+        return {"exp_avg": torch.zeros_like(grad), "exp_avg_sq": torch.zeros_like(grad)}
+
+    def direction(self, grad: Tensor, state: dict[str, Tensor], age: int, group: dict[str, Any]) -> Tensor:
+        beta1, beta2 = group["betas"]
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1**age
+        bias_correction2_sqrt = math.sqrt(1 - beta2**age)
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
+        return (exp_avg / bias_correction1).div_(denom)
+
+    def step_size(self, group: dict[str, Any], param: Tensor, age: int) -> float:
+        return group["lr"]

@@ -1,0 +1,1 @@
+"""Training harness pieces: model presets and data. Imports ``transformers`` lazily."""

@@ -1,0 +1,46 @@
+"""LLaMA presets of the GaLore paper (hidden / intermediate / heads / layers) and a builder."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+LLAMA_PRESETS: dict[str, tuple[int, int, int, int]] = {
+    "llama_9m": (128, 352, 4, 4),
+    "llama_20m": (256, 688, 4, 4),
+    "llama_35m": (384, 1024, 8, 6),
+    "llama_60m": (512, 1376, 8, 8),
+    "llama_130m": (768, 2048, 12, 12),
+    "llama_350m": (1024, 2736, 16, 24),
+    "llama_1b": (2048, 5461, 32, 24),
+    "llama_7b": (4096, 11008, 32, 32),
+}
+
+
+def build_llama(
+    preset: str | tuple[int, int, int, int], vocab_size: int, max_seq_len: int = 1024, **config: Any
+) -> nn.Module:
+    """Return a randomly initialised ``transformers.LlamaForCausalLM``.
+
+    ``preset`` is a name from ``LLAMA_PRESETS`` or an explicit (hidden, intermediate, heads, layers)
+    tuple. Raises ``ValueError`` for an unknown name.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if isinstance(preset, str):
+        if preset not in LLAMA_PRESETS:
+            raise ValueError(f"unknown model preset {preset!r}; valid: {', '.join(LLAMA_PRESETS)}")
+        preset = LLAMA_PRESETS[preset]
+    hidden, intermediate, heads, layers = preset
+    llama_config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        num_hidden_layers=layers,
+        max_position_embeddings=max_seq_len,
+        **config,
+    )
+    return LlamaForCausalLM(llama_config)
