@@ -30,6 +30,9 @@ PROJ_METHODS = ("subspace", "svd")
 # Cold start of the subspace method: extra random columns and power iterations.
 COLD_OVERSAMPLE = 8
 COLD_POWER_ITERS = 2
+# Warm refresh: random directions added to the previous basis, and power iterations.
+WARM_OVERSAMPLE = 32
+WARM_POWER_ITERS = 1
 
 
 class Basis(NamedTuple):
@@ -147,7 +150,15 @@ def _subspace_basis(
     if previous is not None:
         warm = previous.right.T if transposed else previous.left
     if warm is not None and warm.shape == (matrix.shape[0], rank):
-        range_basis = _orthonormal(matrix @ (matrix.T @ warm))
+        # The old basis plus a small power-iterated random sketch of the new gradient: the sketch
+        # finds directions that appeared since the last refresh, and the Rayleigh-Ritz step below
+        # picks the best rank-r subspace of the union with a single large matrix product.
+        extra = min(WARM_OVERSAMPLE, matrix.shape[0] - rank)
+        probe = torch.randn(matrix.shape[1], extra, device=matrix.device, dtype=matrix.dtype, generator=generator)
+        sketch = matrix @ probe
+        for _ in range(WARM_POWER_ITERS):
+            sketch = matrix @ (matrix.T @ _orthonormal(sketch))
+        range_basis = _orthonormal(torch.cat([warm, sketch], dim=1))
     else:
         width = min(rank + COLD_OVERSAMPLE, *matrix.shape)
         probe = torch.randn(
