@@ -55,7 +55,9 @@ def test_matches_galore_torch(proj_type: str, canonical_reference_signs: None) -
         **hyper,
     )
     reference = galore_torch.GaLoreAdamW([{"params": theirs[:2], **galore}, {"params": theirs[2:]}], **hyper)
-    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda t: min(t / 5, 1.0)) for o in (optimizer, reference)]
+    schedules = [
+        torch.optim.lr_scheduler.LambdaLR(o, lambda t: min(t / 5, 1.0)) for o in (optimizer, reference)
+    ]
     for step in range(30):  # refreshes at steps 0, 12 and 24
         for p, q, shape in zip(ours, theirs, shapes, strict=True):
             p.grad = gradient(step, shape)

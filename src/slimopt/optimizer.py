@@ -165,7 +165,8 @@ class GaLoreOptimizer(Optimizer):
             self._warn(param, state, "non-finite gradient at a projection refresh; keeping the old basis")
             return
         generator = None
-        if group["proj_method"] == "subspace" and not has_old:
+        if group["proj_method"] == "subspace":
+            # Seeded by parameter and step, so a resumed run draws the same random directions.
             generator = torch.Generator(device=grad.device)
             generator.manual_seed(state["seed"] * 1_000_003 + state["step"])
         try:

@@ -8,9 +8,10 @@ A basis has a left factor ``U`` (m×r, orthonormal columns) and/or a right facto
 Two ways to find the basis of the top-r singular subspace:
 
 - ``"svd"``: exact ``torch.linalg.svd`` of the gradient in fp32 (galore-torch's behaviour).
-- ``"subspace"``: subspace iteration with a Rayleigh-Ritz step. A warm refresh starts from the
-  previous basis and costs three thin matrix products; a cold one (no basis yet) is a randomized
-  range finder with oversampling and power iterations.
+- ``"subspace"``: a Rayleigh-Ritz step on a search space. A warm refresh searches the previous
+  basis plus a small power-iterated random sketch of the new gradient, which costs one large
+  thin matrix product; a cold one (no basis yet) is a randomized range finder with oversampling
+  and power iterations.
 
 Singular vectors are defined only up to sign, and LAPACK, cuSOLVER and iterative methods pick
 different signs. Every basis vector is therefore flipped so that its largest-magnitude entry is
@@ -154,23 +155,23 @@ def _subspace_basis(
         # finds directions that appeared since the last refresh, and the Rayleigh-Ritz step below
         # picks the best rank-r subspace of the union with a single large matrix product.
         extra = min(WARM_OVERSAMPLE, matrix.shape[0] - rank)
-        probe = torch.randn(matrix.shape[1], extra, device=matrix.device, dtype=matrix.dtype, generator=generator)
-        sketch = matrix @ probe
+        sketch = matrix @ _gaussian(matrix.shape[1], extra, matrix, generator)
         for _ in range(WARM_POWER_ITERS):
             sketch = matrix @ (matrix.T @ _orthonormal(sketch))
         range_basis = _orthonormal(torch.cat([warm, sketch], dim=1))
     else:
         width = min(rank + COLD_OVERSAMPLE, *matrix.shape)
-        probe = torch.randn(
-            matrix.shape[1], width, device=matrix.device, dtype=matrix.dtype, generator=generator
-        )
-        range_basis = _orthonormal(matrix @ probe)
+        range_basis = _orthonormal(matrix @ _gaussian(matrix.shape[1], width, matrix, generator))
         for _ in range(COLD_POWER_ITERS):
             range_basis = _orthonormal(matrix @ (matrix.T @ range_basis))
     left, right = _rayleigh_ritz(matrix, range_basis, rank, need_right=uses_left and uses_right)
     if transposed:
         return None, left.T
     return left, right
+
+
+def _gaussian(rows: int, cols: int, like: Tensor, generator: torch.Generator | None) -> Tensor:
+    return torch.randn(rows, cols, device=like.device, dtype=like.dtype, generator=generator)
 
 
 def _orthonormal(block: Tensor) -> Tensor:

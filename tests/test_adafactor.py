@@ -1,0 +1,49 @@
+"""GaLoreAdafactor: plain groups against Hugging Face's Adafactor; projected groups train."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimopt import GaLoreAdafactor
+
+from .test_adamw import gradient, relative_error
+
+transformers_optimization = pytest.importorskip("transformers.optimization")
+
+
+@pytest.mark.parametrize(
+    "hyper",
+    [
+        {"lr": None, "relative_step": True, "scale_parameter": True, "beta1": None, "weight_decay": 0.0},
+        {"lr": 1e-2, "relative_step": False, "scale_parameter": True, "beta1": None, "weight_decay": 0.01},
+        # Hugging Face averages lr-scaled updates, slimopt unscaled ones: equal for a constant lr.
+        {"lr": 1e-2, "relative_step": False, "scale_parameter": False, "beta1": 0.9, "weight_decay": 0.0},
+    ],
+)
+def test_unprojected_groups_match_hugging_face_adafactor(hyper) -> None:
+    shapes = [(24, 40), (40,), (3, 5, 7)]
+    torch.manual_seed(0)
+    ours = [torch.randn(s, requires_grad=True) for s in shapes]
+    theirs = [p.detach().clone().requires_grad_() for p in ours]
+    optimizer = GaLoreAdafactor(ours, **hyper)
+    reference = transformers_optimization.Adafactor(theirs, **hyper)
+    for step in range(40):
+        for p, q, shape in zip(ours, theirs, shapes, strict=True):
+            p.grad = gradient(step, shape)
+            q.grad = gradient(step, shape)
+        optimizer.step()
+        reference.step()
+    for p, q in zip(ours, theirs, strict=True):
+        assert relative_error(p.detach(), q.detach()) <= 1e-5
+
+
+def test_projected_second_moment_is_whole_and_unprojected_is_factored() -> None:
+    projected, plain = torch.randn(20, 12, requires_grad=True), torch.randn(20, 12, requires_grad=True)
+    optimizer = GaLoreAdafactor([{"params": [projected], "rank": 3}, {"params": [plain]}], lr=1e-2, beta1=0.9)
+    projected.grad, plain.grad = torch.randn(20, 12), torch.randn(20, 12)
+    optimizer.step()
+    assert optimizer.state[projected]["exp_avg_sq"].shape == (20, 3)
+    assert optimizer.state[projected]["exp_avg"].shape == (20, 3)
+    assert optimizer.state[plain]["exp_avg_sq_row"].shape == (20,)
+    assert optimizer.state[plain]["exp_avg_sq_col"].shape == (12,)

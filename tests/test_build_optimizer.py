@@ -1,0 +1,61 @@
+"""build_optimizer: which weights are projected, and how groups are formed."""
+
+from __future__ import annotations
+
+import pytest
+
+from slimopt import GaLoreAdafactor, GaLoreAdamW, build_optimizer, select_target_modules
+
+from .conftest import tiny_llama
+
+ATTENTION_AND_MLP = {
+    f"model.layers.{i}.{part}"
+    for i in range(2)
+    for part in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
+}
+
+
+@pytest.mark.parametrize(
+    ("target_modules", "expected"),
+    [
+        (None, ATTENTION_AND_MLP),
+        ("all-linear", ATTENTION_AND_MLP | {"lm_head"}),
+        (["attn", "mlp"], ATTENTION_AND_MLP),
+        (["q_proj"], {"model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"}),
+        (r".*\.1\.mlp\..*_proj", {n for n in ATTENTION_AND_MLP if ".1.mlp" in n}),
+    ],
+)
+def test_target_module_selection(target_modules, expected) -> None:
+    assert set(select_target_modules(tiny_llama(0), target_modules)) == expected
+
+
+def test_groups_projected_plain_and_no_decay() -> None:
+    model = tiny_llama(0)
+    optimizer = build_optimizer(model, "galore_adamw", lr=2e-3, rank=16, weight_decay=0.1, update_proj_gap=50)
+    assert isinstance(optimizer, GaLoreAdamW)
+    projected, plain, vectors = optimizer.param_groups
+    modules = dict(model.named_modules())
+    assert {id(p) for p in projected["params"]} == {id(modules[n].weight) for n in ATTENTION_AND_MLP}
+    assert projected["rank"] == 16 and projected["update_proj_gap"] == 50
+    assert "rank" not in plain and "rank" not in vectors
+    assert {id(p) for p in plain["params"]} == {id(model.lm_head.weight), id(model.model.embed_tokens.weight)}
+    assert all(p.dim() == 1 for p in vectors["params"])
+    assert projected["weight_decay"] == plain["weight_decay"] == 0.1 and vectors["weight_decay"] == 0.0
+    assert all(g["lr"] == 2e-3 for g in optimizer.param_groups)
+    total = sum(len(g["params"]) for g in optimizer.param_groups)
+    assert total == len(list(model.parameters()))
+
+
+def test_adamw_and_adafactor_names() -> None:
+    model = tiny_llama(0)
+    assert all("rank" not in g for g in build_optimizer(model, "adamw", lr=1e-3).param_groups)
+    adafactor = build_optimizer(model, "galore_adafactor", lr=None, rank=8)
+    assert isinstance(adafactor, GaLoreAdafactor) and adafactor.param_groups[0]["relative_step"]

@@ -1,0 +1,143 @@
+"""Optimizer shell behaviour: refresh schedule, non-finite input, shapes, dtypes, closures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import slimopt.optimizer
+from slimopt import GaLoreAdafactor, GaLoreAdamW
+
+
+def projected_optimizer(params, cls=GaLoreAdamW, **options):
+    return cls([{"params": params, "rank": 2, "update_proj_gap": 4}], lr=1e-2, **options)
+
+
+def test_nan_gradient_skips_the_update_keeps_the_basis_and_warns() -> None:
+    weight = torch.randn(8, 6, requires_grad=True)
+    bias = torch.randn(6, requires_grad=True)
+    optimizer = GaLoreAdamW(
+        [{"params": [weight], "rank": 2, "update_proj_gap": 1}, {"params": [bias]}], lr=1e-2
+    )
+    weight.grad, bias.grad = torch.randn(8, 6), torch.randn(6)
+    optimizer.step()
+    basis = optimizer.state[weight]["basis_right"].clone()
+    before = weight.detach().clone(), bias.detach().clone()
+    weight.grad = torch.full((8, 6), float("nan"))
+    bias.grad = torch.tensor([float("inf")] * 6)
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+        optimizer.step()
+    assert torch.equal(weight, before[0]) and torch.equal(bias, before[1])
+    assert torch.equal(optimizer.state[weight]["basis_right"], basis)
+    assert optimizer.state[weight]["nonfinite_skips"] == 1 and optimizer.state[bias]["nonfinite_skips"] == 1
+    assert optimizer.state[weight]["step"] == 1
+    weight.grad, bias.grad = torch.randn(8, 6), torch.randn(6)
+    optimizer.step()
+    assert torch.isfinite(weight).all() and not torch.equal(weight, before[0])
+
+
+def test_failed_decomposition_keeps_the_old_basis(monkeypatch: pytest.MonkeyPatch) -> None:
+    weight = torch.randn(8, 6, requires_grad=True)
+    optimizer = GaLoreAdamW([{"params": [weight], "rank": 2, "update_proj_gap": 1}], lr=1e-2)
+    weight.grad = torch.randn(8, 6)
+    optimizer.step()
+    basis = optimizer.state[weight]["basis_right"].clone()
+
+    def broken(*args, **kwargs):
+        raise torch.linalg.LinAlgError("did not converge")
+
+    monkeypatch.setattr(slimopt.optimizer, "compute_basis", broken)
+    with pytest.warns(RuntimeWarning, match="did not converge"):
+        optimizer.step()
+    assert torch.equal(optimizer.state[weight]["basis_right"], basis)
+    assert torch.isfinite(weight).all() and optimizer.state[weight]["step"] == 2
+
+
+def refresh_steps(optimizer: GaLoreAdamW, params: list[torch.Tensor], steps: int) -> list[set[int]]:
+    """For each parameter, the steps at which its basis changed."""
+    changes: list[set[int]] = [set() for _ in params]
+    previous: list[torch.Tensor | None] = [None] * len(params)
+    for step in range(steps):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        for i, p in enumerate(params):
+            basis = optimizer.state[p]["basis_right"]
+            if previous[i] is None or not torch.equal(basis, previous[i]):
+                changes[i].add(step)
+            previous[i] = basis.clone()
+    return changes
+
+
+def test_staggered_refreshes_spread_over_the_gap() -> None:
+    torch.manual_seed(0)
+    params = [torch.randn(10, 8, requires_grad=True) for _ in range(4)]
+    optimizer = GaLoreAdamW([{"params": params, "rank": 2, "update_proj_gap": 8}], lr=1e-2, stagger=True)
+    changes = refresh_steps(optimizer, params, 17)
+    assert changes == [{0, 8, 16}, {0, 2, 10}, {0, 4, 12}, {0, 6, 14}]
+    optimizer = GaLoreAdamW([{"params": params, "rank": 2, "update_proj_gap": 8}], lr=1e-2, stagger=False)
+    assert refresh_steps(optimizer, params, 17) == [{0, 8, 16}] * 4
+
+
+def test_conv_kernels_are_flattened_and_vectors_never_projected() -> None:
+    kernel = torch.randn(16, 3, 3, 3, requires_grad=True)
+    bias = torch.randn(16, requires_grad=True)
+    optimizer = projected_optimizer([kernel, bias])
+    kernel.grad, bias.grad = torch.randn_like(kernel), torch.randn_like(bias)
+    optimizer.step()
+    assert optimizer.state[kernel]["basis_left"].shape == (16, 2)  # 16×27 after flattening
+    assert optimizer.state[kernel]["exp_avg"].shape == (2, 27)
+    assert "basis_left" not in optimizer.state[bias] and "basis_right" not in optimizer.state[bias]
+    assert optimizer.state[bias]["exp_avg"].shape == (16,)
+
+
+@pytest.mark.parametrize("cls", [GaLoreAdamW, GaLoreAdafactor])
+def test_bf16_parameters_keep_fp32_state(cls) -> None:
+    weight = torch.randn(12, 10).bfloat16().requires_grad_()
+    optimizer = projected_optimizer([weight], cls=cls)
+    start = weight.detach().clone()
+    for _ in range(3):
+        weight.grad = torch.randn(12, 10).bfloat16()
+        optimizer.step()
+    assert weight.dtype == torch.bfloat16 and not torch.equal(weight, start)
+    tensors = [v for v in optimizer.state[weight].values() if isinstance(v, torch.Tensor)]
+    assert tensors and all(t.dtype == torch.float32 for t in tensors)
+
+
+def test_reset_policy_zeroes_moments_and_restarts_bias_correction() -> None:
+    weight = torch.randn(10, 8, requires_grad=True)
+    optimizer = GaLoreAdamW(
+        [{"params": [weight], "rank": 2, "update_proj_gap": 3}], lr=1e-2, on_subspace_change="reset"
+    )
+    for _ in range(3):
+        weight.grad = torch.randn(10, 8)
+        optimizer.step()
+    assert optimizer.state[weight]["moment_step"] == 3
+    weight.grad = torch.randn(10, 8)
+    optimizer.step()  # refresh at step 3: moments restart
+    state = optimizer.state[weight]
+    assert state["moment_step"] == 1 and state["step"] == 4
+    projected = weight.grad @ state["basis_right"].T
+    torch.testing.assert_close(state["exp_avg"], 0.1 * projected)
+
+
+def test_closure_is_evaluated_with_gradients_enabled() -> None:
+    weight = torch.randn(6, 4, requires_grad=True)
+    optimizer = projected_optimizer([weight])
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = (weight**2).sum()
+        loss.backward()
+        return loss
+
+    loss = optimizer.step(closure)
+    assert loss.item() > 0 and optimizer.state[weight]["step"] == 1
+
+
+def test_parameters_without_gradients_are_left_alone() -> None:
+    used, unused = torch.randn(6, 4, requires_grad=True), torch.randn(6, 4, requires_grad=True)
+    optimizer = projected_optimizer([used, unused])
+    used.grad = torch.randn(6, 4)
+    optimizer.step()
+    assert len(optimizer.state[unused]) == 0

@@ -1,0 +1,72 @@
+"""Bad input gives one clear error naming the group, the key, the value and the valid choices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimopt import GaLoreAdafactor, GaLoreAdamW, available_optimizers, build_optimizer
+
+from .conftest import tiny_llama
+
+
+def groups(**projected):
+    return [{"params": [torch.randn(4, 4, requires_grad=True)]}, {"params": [torch.randn(4, 4)], **projected}]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"rank": 0}, "param group 1: rank must be a positive integer, got 0"),
+        ({"rank": -3}, "rank must be a positive integer, got -3"),
+        ({"rank": 2.5}, "rank must be a positive integer, got 2.5"),
+        (
+            {"rank": 4, "update_proj_gap": 0},
+            "param group 1: update_proj_gap must be a positive integer, got 0",
+        ),
+        ({"rank": 4, "proj_type": "diagonal"}, "unknown proj_type 'diagonal'; valid: std, reverse_std, left"),
+        ({"rank": 4, "proj_method": "qr"}, "unknown proj_method 'qr'; valid: subspace, svd"),
+        (
+            {"rank": 4, "on_subspace_change": "drop"},
+            "unknown on_subspace_change 'drop'; valid: keep, reset, rotate",
+        ),
+        ({"lr": -1.0}, "param group 1: lr must be >= 0, got -1.0"),
+        ({"betas": (0.9, 1.0)}, r"betas\[1\] must be in \[0, 1\), got 1.0"),
+        ({"betas": (-0.1, 0.9)}, r"betas\[0\] must be in \[0, 1\), got -0.1"),
+        ({"weight_decay": -0.1}, "weight_decay must be >= 0, got -0.1"),
+    ],
+)
+def test_bad_group_values_raise_value_error(options, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        GaLoreAdamW(groups(**options), lr=1e-3)
+
+
+def test_bad_constructor_defaults_name_group_zero() -> None:
+    with pytest.raises(ValueError, match=r"param group 0: lr must be >= 0, got -0\.5"):
+        GaLoreAdamW([torch.randn(3, 3)], lr=-0.5)
+    with pytest.raises(ValueError, match="param group 0: unknown proj_type 'middle'"):
+        GaLoreAdamW([torch.randn(3, 3)], rank=2, proj_type="middle")
+    with pytest.raises(TypeError, match=r"unknown option.*proj_typ"):
+        GaLoreAdamW([torch.randn(3, 3)], rank=2, proj_typ="std")
+
+
+def test_adafactor_validation() -> None:
+    with pytest.raises(ValueError, match="manual lr cannot be combined with relative_step=True"):
+        GaLoreAdafactor([torch.randn(3, 3)], lr=1e-3, relative_step=True)
+    with pytest.raises(ValueError, match=r"beta1 must be None or in \[0, 1\), got 1.5"):
+        GaLoreAdafactor([torch.randn(3, 3)], beta1=1.5)
+
+
+def test_build_optimizer_rejects_unknown_names_and_options() -> None:
+    model = tiny_llama(0)
+    with pytest.raises(ValueError, match="unknown optimizer 'galore_adam'; available: adamw, galore_adamw"):
+        build_optimizer(model, "galore_adam", lr=1e-3)
+    with pytest.raises(ValueError, match="'adamw' does not project gradients; remove rank"):
+        build_optimizer(model, "adamw", lr=1e-3, rank=8)
+    with pytest.raises(
+        ValueError, match=r"matches no nn\.Linear module; linear modules of this model: model\.layers"
+    ):
+        build_optimizer(model, "galore_adamw", lr=1e-3, target_modules=["attention_only"])
+    with pytest.raises(ValueError, match="param group 0: rank must be a positive integer"):
+        build_optimizer(model, "galore_adamw", lr=1e-3, rank=0)
+    assert available_optimizers() == ["adamw", "galore_adamw", "galore_adafactor"]
