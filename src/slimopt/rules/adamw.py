@@ -42,8 +42,11 @@ class AdamWRule:
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         bias_correction1 = 1 - beta1**age
         bias_correction2_sqrt = math.sqrt(1 - beta2**age)
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
-        return (exp_avg / bias_correction1).div_(denom)
+        # One temporary, reused for the result: at LLaMA sizes allocation, not arithmetic,
+        # dominates a CPU step.
+        direction = exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(group["eps"])
+        torch.div(exp_avg, direction, out=direction)
+        return direction.div_(bias_correction1)
 
     def step_size(self, group: dict[str, Any], param: Tensor, age: int) -> float:
         return group["lr"]

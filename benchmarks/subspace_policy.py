@@ -1,0 +1,73 @@
+"""Which moment policy converges best when the GaLore basis changes: keep, reset or rotate.
+
+Trains a small byte-level LLaMA on tinyshakespeare with GaLoreAdamW for each policy and seed
+and prints the validation loss at the end (mean over the seeds) as a markdown table.
+
+    python benchmarks/subspace_policy.py [--steps 400] [--seeds 0 1] [--corpus PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from slimopt import build_optimizer
+from slimopt.train.data import BYTE_VOCAB, read_bytes, sample_batch
+from slimopt.train.models import build_llama
+
+DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, tokens: torch.Tensor, batches: int = 20) -> float:
+    generator = torch.Generator().manual_seed(1234)
+    losses = []
+    for _ in range(batches):
+        batch = sample_batch(tokens, 16, 128, generator)
+        losses.append(model(input_ids=batch, labels=batch).loss.item())
+    return statistics.mean(losses)
+
+
+def run(policy: str, seed: int, steps: int, train: torch.Tensor, val: torch.Tensor) -> float:
+    torch.manual_seed(seed)
+    model = build_llama((128, 344, 4, 4), BYTE_VOCAB, max_seq_len=128)
+    optimizer = build_optimizer(
+        model, "galore_adamw", lr=1e-2, rank=16, update_proj_gap=50, on_subspace_change=policy
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / (steps // 10)))
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        batch = sample_batch(train, 16, 128, generator)
+        model(input_ids=batch, labels=batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    return validation_loss(model, val)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    args = parser.parse_args()
+    tokens = read_bytes(args.corpus)
+    split = int(0.9 * tokens.numel())
+    train, val = tokens[:split], tokens[split:]
+    print("| on_subspace_change | validation loss per seed | mean | seconds |")
+    print("|---|---|---|---|")
+    for policy in ("keep", "reset", "rotate"):
+        start = time.perf_counter()
+        losses = [run(policy, seed, args.steps, train, val) for seed in args.seeds]
+        per_seed = ", ".join(f"{loss:.4f}" for loss in losses)
+        elapsed = time.perf_counter() - start
+        print(f"| {policy} | {per_seed} | {statistics.mean(losses):.4f} | {elapsed:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
