@@ -51,7 +51,7 @@ def gradient_like(shape: tuple[int, int], device: str) -> torch.Tensor:
 def refresh_times(shape: tuple[int, int], rank: int, device: str, repeats: int) -> tuple[float, float]:
     grad = gradient_like(shape, device)
     uses = sides(shape, "std")
-    generator = torch.Generator(device=device).manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
     previous = compute_basis(grad + 0.1 * gradient_like(shape, device), rank, uses, "svd")
     exact = timed(lambda: compute_basis(grad, rank, uses, "svd"), device, max(1, repeats // 3))
     warm = timed(lambda: compute_basis(grad, rank, uses, "subspace", previous, generator), device, repeats)

@@ -169,7 +169,7 @@ class GaLoreOptimizer(Optimizer):
         generator = None
         if group["proj_method"] == "subspace":
             # Seeded by parameter and step, so a resumed run draws the same random directions.
-            generator = torch.Generator(device=grad.device)
+            generator = torch.Generator()
             generator.manual_seed(state["seed"] * 1_000_003 + state["step"])
         try:
             new = compute_basis(

@@ -116,7 +116,8 @@ def compute_basis(
 ) -> Basis:
     """Return the top-``rank`` singular basis of a 2-D fp32 ``grad`` for the sides in ``uses``.
 
-    ``previous`` warm-starts the ``"subspace"`` method; ``generator`` seeds its cold start.
+    ``previous`` warm-starts the ``"subspace"`` method; ``generator`` (a CPU generator) seeds its
+    random directions.
     Raises ``torch.linalg.LinAlgError`` (a ``RuntimeError``) when a decomposition fails and
     ``ValueError`` for an unknown method.
     """
@@ -171,7 +172,8 @@ def _subspace_basis(
 
 
 def _gaussian(rows: int, cols: int, like: Tensor, generator: torch.Generator | None) -> Tensor:
-    return torch.randn(rows, cols, device=like.device, dtype=like.dtype, generator=generator)
+    # Drawn on the CPU, so a given seed gives the same basis on every device.
+    return torch.randn(rows, cols, dtype=like.dtype, generator=generator).to(like.device)
 
 
 def _orthonormal(block: Tensor) -> Tensor:
