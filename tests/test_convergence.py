@@ -12,8 +12,12 @@ from .conftest import tiny_llama
 
 
 def final_training_loss(tokens: torch.Tensor, name: str, steps: int = 100, **options) -> float:
+    """Mean training loss of the last 10 of ``steps`` steps; ``name`` is a slimopt name or "torch_adamw"."""
     model = tiny_llama(0)
-    optimizer = build_optimizer(model, name, **options)
+    if name == "torch_adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), **options)
+    else:
+        optimizer = build_optimizer(model, name, **options)
     generator = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(steps):
@@ -29,7 +33,7 @@ def final_training_loss(tokens: torch.Tensor, name: str, steps: int = 100, **opt
 
 @pytest.fixture(scope="module")
 def adamw_loss(shakespeare_tokens: torch.Tensor) -> float:
-    loss = final_training_loss(shakespeare_tokens, "adamw", lr=3e-3)
+    loss = final_training_loss(shakespeare_tokens, "torch_adamw", lr=3e-3)
     assert loss < 2.6  # from ln(256) = 5.5 at the start
     return loss
 
