@@ -69,4 +69,4 @@ def test_build_optimizer_rejects_unknown_names_and_options() -> None:
         build_optimizer(model, "galore_adamw", lr=1e-3, target_modules=["attention_only"])
     with pytest.raises(ValueError, match="param group 0: rank must be a positive integer"):
         build_optimizer(model, "galore_adamw", lr=1e-3, rank=0)
-    assert available_optimizers() == ["adamw", "galore_adamw", "galore_adafactor"]
+    assert available_optimizers()[:3] == ["adamw", "galore_adamw", "galore_adafactor"]

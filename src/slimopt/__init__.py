@@ -1,19 +1,34 @@
 """slimopt: optimizers that train large language models in far less memory.
 
 ``GaLoreAdamW`` and ``GaLoreAdafactor`` are drop-in ``torch.optim`` optimizers (galore-torch's
-param-group convention); ``build_optimizer`` configures one for a model by name.
+param-group convention) with fp32, bf16, int8, int4 or ternary moments (``states=``);
+``build_optimizer`` configures one for a model by name; ``state_nbytes`` counts its state.
 """
 
-from slimopt.optimizer import GaLoreAdafactor, GaLoreAdamW, GaLoreOptimizer
+from slimopt.memory import state_nbytes
+from slimopt.optimizer import (
+    AdamW4bit,
+    AdamW8bit,
+    AdamWTernary,
+    GaLoreAdafactor,
+    GaLoreAdamW,
+    GaLoreAdamW8bit,
+    GaLoreOptimizer,
+)
 from slimopt.registry import available_optimizers, build_optimizer, select_target_modules
 
 __all__ = [
+    "AdamW4bit",
+    "AdamW8bit",
+    "AdamWTernary",
     "GaLoreAdafactor",
     "GaLoreAdamW",
+    "GaLoreAdamW8bit",
     "GaLoreOptimizer",
     "available_optimizers",
     "build_optimizer",
     "select_target_modules",
+    "state_nbytes",
 ]
 
 __version__ = "0.1.0"

@@ -1,7 +1,9 @@
-"""The ``torch.optim.Optimizer`` shell that composes an update rule with a GaLore projection.
+"""The ``torch.optim.Optimizer`` shell: update rule × GaLore projection × state storage.
 
 The shell keeps param groups, step counts, the refresh schedule and ``state_dict``; the math
-lives in ``slimopt.rules`` and the basis in ``slimopt.projection``. A param group is projected
+lives in ``slimopt.rules``, the basis in ``slimopt.projection`` and the stored form of the
+moments in ``slimopt.codecs``. Each step decodes one parameter's moments to fp32, runs the rule
+and encodes them again. A param group is projected
 iff it has a ``rank`` key (galore-torch's convention); its parameters with two or more
 dimensions are projected (conv kernels are flattened to ``shape[0] × rest``), 1-D ones get the
 plain rule. All arithmetic is fp32 whatever the parameter dtype.
@@ -17,7 +19,16 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from slimopt.projection import PROJ_METHODS, PROJ_TYPES, Basis, compute_basis, project, project_back
+from slimopt.codecs import STATE_FORMATS, moment_codec, state_key
+from slimopt.projection import (
+    PROJ_METHODS,
+    PROJ_TYPES,
+    Basis,
+    compute_basis,
+    project,
+    project_back,
+    projected_shape,
+)
 from slimopt.projection import rotate as rotate_moment
 from slimopt.projection import sides as projection_sides
 from slimopt.rules import AdafactorRule, AdamWRule, UpdateRule
@@ -33,32 +44,39 @@ PROJECTION_DEFAULTS: dict[str, Any] = {
     "stagger": True,
 }
 
+STORAGE_DEFAULTS: dict[str, Any] = {"states": "fp32", "block_size": None}
+
 
 class GaLoreOptimizer(Optimizer):
     """Base shell: subclasses choose the update rule and its hyperparameter defaults."""
 
     rule: ClassVar[UpdateRule]
+    default_states: ClassVar[str] = "fp32"
 
     def __init__(
-        self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any], projection: dict
+        self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any], options: dict
     ) -> None:
-        unknown = sorted(set(projection) - set(PROJECTION_DEFAULTS) - {"rank"})
+        valid = ["rank", *PROJECTION_DEFAULTS, *STORAGE_DEFAULTS]
+        unknown = sorted(set(options) - set(valid))
         if unknown:
-            raise TypeError(
-                f"unknown option(s) {', '.join(unknown)}; valid projection options: "
-                f"rank, {', '.join(PROJECTION_DEFAULTS)}"
-            )
-        if projection.get("rank") is None:
-            projection.pop("rank", None)
+            raise TypeError(f"unknown option(s) {', '.join(unknown)}; valid options: {', '.join(valid)}")
+        if options.get("rank") is None:
+            options.pop("rank", None)
         self._ordinals: dict[Tensor, tuple[int, int, int]] | None = None
-        super().__init__(params, {**defaults, **PROJECTION_DEFAULTS, **projection})
+        storage = {**STORAGE_DEFAULTS, "states": self.default_states}
+        super().__init__(params, {**defaults, **PROJECTION_DEFAULTS, **storage, **options})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (see ``torch.optim.Optimizer``); raises ``ValueError`` for bad hyperparameters."""
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         group = self.param_groups[index]
-        errors = self.rule.validate(group) + _weight_decay_errors(group) + _projection_errors(group)
+        errors = (
+            self.rule.validate(group)
+            + _weight_decay_errors(group)
+            + _storage_errors(group)
+            + _projection_errors(group)
+        )
         if errors:
             self.param_groups.pop()
             raise ValueError(f"param group {index}: " + "; ".join(errors))
@@ -114,13 +132,21 @@ class GaLoreOptimizer(Optimizer):
         if not _all_finite(grad):
             self._skip(param, state, "non-finite gradient")
             return
+        generator = self._rounding_generator(param, state, group, grad.shape)
         if "moment_step" not in state:
-            state.update(self.rule.init_state(grad, group, projected=projected))
+            for key, value in self.rule.init_state(grad, group, projected=projected).items():
+                if key in self.rule.moment_kinds:
+                    self._encode(state, key, value, group, generator)
+                else:
+                    state[key] = value
             state["moment_step"] = 0
         state["step"] += 1
         state["moment_step"] += 1
         age = state["moment_step"]
-        direction = self.rule.direction(grad, state, age, group)
+        moments = self._decode_all(state, group, grad.shape)
+        direction = self.rule.direction(grad, {**state, **moments}, age, group)
+        for key, value in moments.items():
+            self._encode(state, key, value, group, generator)
         scale = 1.0
         if basis is not None:
             direction = project_back(direction, basis).view(param.shape)
@@ -137,8 +163,8 @@ class GaLoreOptimizer(Optimizer):
         ordinal, projected_ordinal, projected_count = self._param_ordinals()[param]
         state["step"] = 0
         state["nonfinite_skips"] = 0
+        state["seed"] = ordinal
         if "rank" in group and param.dim() >= 2:
-            state["seed"] = ordinal
             gap = group["update_proj_gap"]
             state["refresh_offset"] = (projected_ordinal * gap) // projected_count if group["stagger"] else 0
 
@@ -187,21 +213,66 @@ class GaLoreOptimizer(Optimizer):
             self._warn(param, state, "projection refresh produced non-finite values; keeping the old basis")
             return
         if has_old and "moment_step" in state:
-            self._carry_moments(state, old, new, group["on_subspace_change"])
+            self._carry_moments(state, group, projected_shape(grad.shape, old), old, new)
         for key, factor in (("basis_left", new.left), ("basis_right", new.right)):
             if factor is not None:
                 state[key] = factor
 
-    def _carry_moments(self, state: dict[str, Any], old: Basis, new: Basis, policy: str) -> None:
-        moments = [key for key in self.rule.moment_kinds if key in state]
-        if policy == "rotate":
-            for key in moments:
+    def _carry_moments(
+        self, state: dict[str, Any], group: dict[str, Any], shape: torch.Size, old: Basis, new: Basis
+    ) -> None:
+        """Apply the group's ``on_subspace_change`` policy to the moments stored in ``old``'s basis."""
+        policy = group["on_subspace_change"]
+        if policy == "keep":
+            return
+        generator = self._rounding_generator(None, state, group, shape)
+        for key, value in self._decode_all(state, group, shape).items():
+            if policy == "rotate":
                 squared = self.rule.moment_kinds[key] == "square"
-                state[key] = rotate_moment(state[key], old, new, squared=squared)
-        elif policy == "reset":
-            for key in moments:
-                state[key].zero_()
+                value = rotate_moment(value, old, new, squared=squared)
+            else:
+                value = torch.zeros_like(value)
+            self._encode(state, key, value, group, generator)
+        if policy == "reset":
             state["moment_step"] = 0
+
+    def _decode_all(
+        self, state: dict[str, Any], group: dict[str, Any], shape: torch.Size
+    ) -> dict[str, Tensor]:
+        """The fp32 value of every stored moment of the rule; ``shape`` is the moments' shape."""
+        moments = {}
+        for key, kind in self.rule.moment_kinds.items():
+            codec = moment_codec(group["states"], kind, shape, group["block_size"])
+            stored = {part: state.get(state_key(key, part)) for part in codec.parts}
+            if all(value is not None for value in stored.values()):
+                moments[key] = codec.decode(stored, shape)
+        return moments
+
+    def _encode(
+        self,
+        state: dict[str, Any],
+        key: str,
+        value: Tensor,
+        group: dict[str, Any],
+        generator: torch.Generator | None,
+    ) -> None:
+        codec = moment_codec(group["states"], self.rule.moment_kinds[key], value.shape, group["block_size"])
+        for part, stored in codec.encode(value, generator).items():
+            state[state_key(key, part)] = stored
+
+    def _rounding_generator(
+        self, param: Tensor | None, state: dict[str, Any], group: dict[str, Any], shape: torch.Size
+    ) -> torch.Generator | None:
+        """A generator for stochastic rounding, seeded by parameter and step so that a resumed
+        run rounds exactly as an uninterrupted one; None when no codec of the group draws."""
+        codecs = [moment_codec(group["states"], kind, shape) for kind in set(self.rule.moment_kinds.values())]
+        if not any(codec.stochastic for codec in codecs):
+            return None
+        device = param.device if param is not None else _state_device(state)
+        generator = torch.Generator(device=device)
+        # Odd seeds: even ones (seed·1_000_003 + step) belong to the projection refresh.
+        generator.manual_seed((state["seed"] * 1_000_003 + state["step"]) * 2 + 1)
+        return generator
 
     def _skip(self, param: Tensor, state: dict[str, Any], reason: str) -> None:
         state["nonfinite_skips"] += 1
@@ -214,6 +285,24 @@ class GaLoreOptimizer(Optimizer):
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+def _state_device(state: dict[str, Any]) -> torch.device:
+    return next(v.device for v in state.values() if isinstance(v, Tensor))
+
+
+def _storage_errors(group: dict[str, Any]) -> list[str]:
+    errors = []
+    if group["states"] not in STATE_FORMATS:
+        errors.append(f"unknown states {group['states']!r}; valid: {', '.join(STATE_FORMATS)}")
+    size = group["block_size"]
+    if size is not None and (
+        isinstance(size, bool) or not isinstance(size, int) or size < 4 or size & (size - 1)
+    ):
+        errors.append(
+            f"block_size must be a power of two >= 4 (or None for the format's default), got {size!r}"
+        )
+    return errors
 
 
 def _all_finite(tensor: Tensor) -> bool:
@@ -255,7 +344,9 @@ class GaLoreAdamW(GaLoreOptimizer):
     as keyword defaults here): ``rank``, ``update_proj_gap`` (200), ``scale`` (0.25),
     ``proj_type`` ({"std", "reverse_std", "left", "right", "full"}, "std"), ``proj_method``
     ({"subspace", "svd"}, "subspace"), ``on_subspace_change`` ({"keep", "reset", "rotate"},
-    "rotate") and ``stagger`` (True: spread refreshes over the gap).
+    "rotate") and ``stagger`` (True: spread refreshes over the gap). Storage options (per group
+    too): ``states`` ({"fp32", "bf16", "int8", "int4", "ternary"}) and ``block_size`` (a power of
+    two; None for the format's default).
     """
 
     rule = AdamWRule()
@@ -267,10 +358,10 @@ class GaLoreAdamW(GaLoreOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
-        **projection: Any,
+        **options: Any,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults, projection)
+        super().__init__(params, defaults, options)
 
 
 class GaLoreAdafactor(GaLoreOptimizer):
@@ -278,7 +369,7 @@ class GaLoreAdafactor(GaLoreOptimizer):
 
     ``lr=None`` uses Adafactor's relative step size. Projected matrices keep a whole second
     moment in the r×n space; unprojected matrices keep factored row/column statistics.
-    Projection options as for :class:`GaLoreAdamW`.
+    Projection and storage options as for :class:`GaLoreAdamW`.
     """
 
     rule = AdafactorRule()
@@ -295,7 +386,7 @@ class GaLoreAdafactor(GaLoreOptimizer):
         scale_parameter: bool = True,
         relative_step: bool | None = None,
         warmup_init: bool = False,
-        **projection: Any,
+        **options: Any,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -308,4 +399,27 @@ class GaLoreAdafactor(GaLoreOptimizer):
             "relative_step": lr is None if relative_step is None else relative_step,
             "warmup_init": warmup_init,
         }
-        super().__init__(params, defaults, projection)
+        super().__init__(params, defaults, options)
+
+
+class GaLoreAdamW8bit(GaLoreAdamW):
+    """GaLoreAdamW with block-wise 8-bit moments (``states="int8"``); without ``rank`` groups it
+    is a plain 8-bit AdamW, exported as ``AdamW8bit``."""
+
+    default_states = "int8"
+
+
+class AdamW4bit(GaLoreAdamW):
+    """AdamW with 4-bit moments (``states="int4"``); groups with ``rank`` are projected."""
+
+    default_states = "int4"
+
+
+class AdamWTernary(GaLoreAdamW):
+    """AdamW with a ternary first moment and a factored second moment (``states="ternary"``);
+    groups with ``rank`` are projected."""
+
+    default_states = "ternary"
+
+
+AdamW8bit = GaLoreAdamW8bit

@@ -63,6 +63,16 @@ def sides(shape: tuple[int, int], proj_type: str) -> tuple[bool, bool]:
     raise ValueError(f"unknown proj_type {proj_type!r}; valid: {', '.join(PROJ_TYPES)}")
 
 
+def projected_shape(shape: tuple[int, int], basis: Basis) -> torch.Size:
+    """Shape of a 2-D tensor of ``shape`` once projected with ``basis``."""
+    rows, cols = shape
+    if basis.left is not None:
+        rows = basis.left.shape[1]
+    if basis.right is not None:
+        cols = basis.right.shape[0]
+    return torch.Size((rows, cols))
+
+
 def project(grad: Tensor, basis: Basis) -> Tensor:
     """Map a 2-D gradient into the projected space of ``basis``."""
     if basis.left is not None:

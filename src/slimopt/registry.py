@@ -1,6 +1,7 @@
 """Optimizer names and ``build_optimizer``: from a model to configured param groups.
 
-A name is a configuration of the composable pieces (update rule × projection); the modules
+A name is a configuration of the composable pieces (update rule × projection × state storage),
+not a class of its own; the modules
 whose weights are projected are chosen with Hugging Face's ``optim_target_modules`` semantics.
 """
 
@@ -12,7 +13,15 @@ from typing import Any
 
 from torch import nn
 
-from slimopt.optimizer import PROJECTION_DEFAULTS, GaLoreAdafactor, GaLoreAdamW, GaLoreOptimizer
+from slimopt.optimizer import (
+    PROJECTION_DEFAULTS,
+    AdamW4bit,
+    AdamWTernary,
+    GaLoreAdafactor,
+    GaLoreAdamW,
+    GaLoreAdamW8bit,
+    GaLoreOptimizer,
+)
 
 DEFAULT_RANK = 128
 
@@ -29,6 +38,12 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adamw": OptimizerSpec(GaLoreAdamW, projected=False),
     "galore_adamw": OptimizerSpec(GaLoreAdamW, projected=True),
     "galore_adafactor": OptimizerSpec(GaLoreAdafactor, projected=True),
+    "adamw8bit": OptimizerSpec(GaLoreAdamW8bit, projected=False),
+    "adamw4bit": OptimizerSpec(AdamW4bit, projected=False),
+    "adamw_ternary": OptimizerSpec(AdamWTernary, projected=False),
+    "galore_adamw8bit": OptimizerSpec(GaLoreAdamW8bit, projected=True),
+    "galore_adamw4bit": OptimizerSpec(AdamW4bit, projected=True),
+    "galore_adamw_ternary": OptimizerSpec(AdamWTernary, projected=True),
 }
 
 

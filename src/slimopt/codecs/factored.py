@@ -1,0 +1,29 @@
+"""Factored storage of a non-negative matrix: row and column means (Adafactor's statistics).
+
+Decoding gives the rank-1 matrix ``row_i · col_j / mean(row)``, whose row and column means are
+the stored ones, so decode → EMA update → encode is exactly Adafactor's factored moving average.
+A positive element makes its row and column means positive, so it never decodes to zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+
+class FactoredCodec:
+    """(m + n) fp32 numbers for an m×n non-negative matrix."""
+
+    parts = ("row", "col")
+    stochastic = False
+
+    def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+        value = value.float()
+        return {"row": value.mean(dim=-1), "col": value.mean(dim=-2)}
+
+    def decode(self, stored: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
+        row, col = stored["row"], stored["col"]
+        total = row.mean(dim=-1, keepdim=True)
+        return (row / torch.where(total > 0, total, 1.0)).unsqueeze(-1) * col.unsqueeze(-2)

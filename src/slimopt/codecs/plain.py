@@ -1,0 +1,41 @@
+"""Unquantized state storage: fp32 as is, and bf16 written with stochastic rounding."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+
+class Fp32Codec:
+    """Stores the fp32 tensor itself: decode and encode are free and share memory."""
+
+    parts = ("",)
+    stochastic = False
+
+    def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+        return {"": value}
+
+    def decode(self, stored: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
+        return stored[""]
+
+
+class Bf16Codec:
+    """Stores bf16. Rounding is stochastic and unbiased: the 16 fp32 mantissa bits that bf16
+    drops are compared with 16 random bits, so E[decode(encode(x))] = x and small EMA steps
+    are not lost to round-to-nearest."""
+
+    parts = ("",)
+    stochastic = True
+
+    def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+        bits = value.float().view(torch.int32)
+        noise = torch.randint(
+            0, 1 << 16, bits.shape, device=bits.device, dtype=torch.int32, generator=generator
+        )
+        rounded = (bits + noise).bitwise_and_(-65536)  # clear the low 16 bits
+        return {"": rounded.view(torch.float32).to(torch.bfloat16)}
+
+    def decode(self, stored: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
+        return stored[""].float()

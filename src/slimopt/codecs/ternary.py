@@ -1,0 +1,97 @@
+"""Ternary storage: every element is -1, 0 or +1 times a scale, five elements to a byte.
+
+Writing is unbiased stochastic rounding: an element x with scale s >= |x| becomes sign(x)·s with
+probability |x|/s and 0 otherwise, so E[decode(encode(x))] = x. Round-to-nearest would freeze a
+moving average whose per-step change is below s/2 (the change would round away every step);
+stochastic rounding moves it by the right amount on average.
+
+The rounding noise of an element grows with s/|x|, so the scale must follow the magnitudes
+closely. It is the product of
+
+- a rank-1 part ``row_i · col_j`` for matrices (row maxima, then column maxima of the
+  row-normalized matrix; a single absmax for vectors): a GaLore moment has rows or columns along
+  singular directions whose magnitudes differ by orders of magnitude, and
+- a per-block part, one byte per block of 8: the block's maximum rounded up to a power of
+  2^(1/4) (code e stands for 2^(-e/4)).
+
+Five ternary digits fit in a byte (3^5 = 243), so a large matrix costs 1/5 + 1/8 = 0.325 bytes
+per element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+TRITS_PER_BYTE = 5
+EXPONENT_STEPS_PER_OCTAVE = 4
+
+_POWERS_OF_THREE = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8)
+# _DIGITS[b] are the five ternary digits of byte b, least significant first.
+_DIGITS = torch.stack([(torch.arange(256) // 3**k) % 3 for k in range(TRITS_PER_BYTE)], dim=1).to(torch.uint8)
+
+
+def _safe(scale: Tensor) -> Tensor:
+    return torch.where(scale > 0, scale, 1.0)
+
+
+def _pad(flat: Tensor, multiple: int) -> Tensor:
+    padding = -flat.numel() % multiple
+    return torch.cat([flat, flat.new_zeros(padding)]) if padding else flat
+
+
+class TernaryCodec:
+    """{-1, 0, +1} × (rank-1 or absmax scale) × per-block power-of-2^(1/4) scale."""
+
+    stochastic = True
+
+    def __init__(self, block_size: int, *, matrix: bool) -> None:
+        self.block_size = block_size
+        self.matrix = matrix
+        self.parts = ("codes", "exponents", "row", "col") if matrix else ("codes", "exponents", "row")
+
+    def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+        stored: dict[str, Tensor] = {}
+        if self.matrix:
+            normalized = value.float().reshape(value.shape[0], -1)
+            stored["row"] = normalized.abs().amax(dim=1)
+            normalized = normalized / _safe(stored["row"]).unsqueeze(1)
+            stored["col"] = normalized.abs().amax(dim=0)
+            normalized.div_(_safe(stored["col"]))
+        else:
+            stored["row"] = value.abs().amax().float().reshape(1)
+            normalized = value.float() / _safe(stored["row"])
+        blocks = _pad(normalized.reshape(-1), self.block_size).view(-1, self.block_size)
+        block_max = blocks.abs().amax(dim=1)
+        exponents = torch.ceil(-EXPONENT_STEPS_PER_OCTAVE * torch.log2(block_max)).clamp_(0, 255)
+        # log2 rounding must not leave the scale below the block maximum.
+        exponents = torch.where(_exponent_scale(exponents) < block_max, exponents - 1, exponents)
+        stored["exponents"] = exponents.to(torch.uint8)
+        blocks.div_(_exponent_scale(exponents).unsqueeze(1))
+        stored["codes"] = _ternarize(blocks.reshape(-1), generator)
+        return stored
+
+    def decode(self, stored: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
+        exponents = stored["exponents"]
+        digits = _DIGITS.to(exponents.device)[stored["codes"].long()].reshape(-1)
+        signs = digits[: exponents.numel() * self.block_size].float().sub_(1).view(-1, self.block_size)
+        values = (signs * _exponent_scale(exponents.float()).unsqueeze(1)).reshape(-1)[: shape.numel()]
+        if self.matrix:
+            row, col = stored["row"], stored["col"]
+            return (values.view(row.numel(), col.numel()) * row.unsqueeze(1) * col).view(shape)
+        return (values * stored["row"]).view(shape)
+
+
+def _exponent_scale(exponents: Tensor) -> Tensor:
+    return torch.exp2(-exponents / EXPONENT_STEPS_PER_OCTAVE)
+
+
+def _ternarize(normalized: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Stochastically round values in [-1, 1] to {-1, 0, +1}; pack five digits to a byte."""
+    draws = torch.rand(normalized.shape, device=normalized.device, generator=generator)
+    # Digits 0, 1, 2 stand for -1, 0, +1.
+    digits = torch.where(draws < normalized.abs(), normalized.sign(), 0.0).add_(1).to(torch.uint8)
+    digits = _pad(digits, TRITS_PER_BYTE).view(-1, TRITS_PER_BYTE)
+    return (digits * _POWERS_OF_THREE.to(digits.device)).sum(dim=1, dtype=torch.uint8)
