@@ -1,0 +1,172 @@
+"""State codecs: maps against bitsandbytes and torchao, round-trip error bounds, stochastic
+rounding, and the staleness that stochastic rounding prevents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimopt.codecs import moment_codec
+from slimopt.codecs.maps import dynamic_map, linear_map_without_zero
+
+SHAPE = torch.Size((96, 160))
+
+
+def sample(name: str, generator: torch.Generator) -> torch.Tensor:
+    gaussian = torch.randn(SHAPE, generator=generator)
+    if name == "gaussian":
+        return gaussian
+    if name == "heavy_tailed":  # Student-t with 2 degrees of freedom
+        chi2 = torch.randn((2, *SHAPE), generator=generator).square().sum(0)
+        return gaussian / (chi2 / 2).sqrt()
+    if name == "outlier_columns":
+        values = gaussian.clone()
+        values[:, ::37] *= 1000.0
+        return values
+    if name == "tiny":  # log-uniform magnitudes 1e-12 … 1e-2, random signs
+        exponent = torch.rand(SHAPE, generator=generator) * 10 - 12
+        return torch.sign(gaussian) * 10.0**exponent
+    raise ValueError(name)
+
+
+SAMPLES = ["gaussian", "heavy_tailed", "outlier_columns", "tiny"]
+
+
+def test_maps_equal_the_reference_libraries() -> None:
+    functional = pytest.importorskip("bitsandbytes.functional")
+    subclass_4bit = pytest.importorskip("torchao.optim.subclass_4bit")
+    for signed in (True, False):
+        assert torch.equal(dynamic_map(signed), functional.create_dynamic_map(signed=signed).sort().values)
+    torchao_signed = torch.tensor(subclass_4bit.get_qmap_signed()).sort().values
+    assert torch.equal(dynamic_map(True, total_bits=4, exponent_bits=3), torchao_signed)
+    assert torch.equal(
+        linear_map_without_zero(4), torch.tensor(subclass_4bit.get_qmap_unsigned()).sort().values
+    )
+
+
+def block_absmax(values: torch.Tensor, block: int) -> torch.Tensor:
+    """Each element's block absmax, for flat blocks of ``block`` elements."""
+    flat = values.reshape(-1)
+    padded = torch.cat([flat, flat.new_zeros(-flat.numel() % block)]).view(-1, block)
+    return padded.abs().amax(1, keepdim=True).expand(-1, block).reshape(-1)[: flat.numel()].view(values.shape)
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+@pytest.mark.parametrize(
+    ("states", "kind", "code_map", "block"),
+    [
+        ("int8", "linear", dynamic_map(True), 256),
+        ("int8", "square", dynamic_map(False), 256),
+        ("int4", "linear", dynamic_map(True, 4, 3), 128),
+        ("int4", "square", linear_map_without_zero(4), 128),
+    ],
+)
+def test_blockwise_round_trip_is_within_half_a_map_gap(name, states, kind, code_map, block) -> None:
+    values = sample(name, torch.Generator().manual_seed(0))
+    if kind == "square":
+        values = values.square()
+    codec = moment_codec(states, kind, SHAPE)
+    decoded = codec.decode(codec.encode(values), SHAPE)
+    gaps = code_map.diff()
+    positive = code_map[code_map > 0]
+    # Nearest rounding errs by at most half the widest gap; a second moment's positive values
+    # may instead be lifted to the smallest positive code.
+    # The signed maps end at min(code_map) > -1, which bounds the error at -absmax.
+    tolerance = max(
+        gaps.max().item() / 2,
+        positive.min().item() if kind == "square" else 0.0,
+        1 + code_map.min().item() if kind == "linear" else 0.0,
+    )
+    assert ((decoded - values).abs() <= tolerance * block_absmax(values, block) * (1 + 1e-4)).all()
+    if kind == "square":
+        assert (decoded[values > 0] > 0).all()
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_int8_relative_error_on_typical_values(name) -> None:
+    """Above a tenth of the block maximum the map's codes are 0.0141 apart (64 per decade), so
+    an element errs by at most 0.00705 / 0.1 of itself."""
+    values = sample(name, torch.Generator().manual_seed(1))
+    codec = moment_codec("int8", "linear", SHAPE)
+    decoded = codec.decode(codec.encode(values), SHAPE)
+    large = values.abs() >= 0.1 * block_absmax(values, 256)
+    relative = ((decoded - values).abs() / values.abs())[large]
+    assert relative.max() <= 0.0705 and relative.mean() <= 0.025
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_ternary_second_moment_never_decodes_positive_to_zero(name) -> None:
+    values = sample(name, torch.Generator().manual_seed(2)).square()
+    for shape in (SHAPE, torch.Size((SHAPE.numel(),))):
+        codec = moment_codec("ternary", "square", shape)
+        decoded = codec.decode(codec.encode(values.view(shape)), shape)
+        assert (decoded.view(SHAPE)[values > 0] > 0).all()
+
+
+def test_factored_second_moment_keeps_row_and_column_means() -> None:
+    values = sample("heavy_tailed", torch.Generator().manual_seed(3)).square()
+    codec = moment_codec("ternary", "square", SHAPE)
+    decoded = codec.decode(codec.encode(values), SHAPE)
+    torch.testing.assert_close(decoded.mean(1), values.mean(1), rtol=1e-5, atol=0)
+    torch.testing.assert_close(decoded.mean(0), values.mean(0), rtol=1e-5, atol=0)
+
+
+def rounding_step(states: str, codec, stored: dict, values: torch.Tensor) -> torch.Tensor:
+    """Distance between the two values an element can be rounded to."""
+    if states == "bf16":
+        _, exponent = torch.frexp(values)  # |x| = mantissa · 2^exponent, mantissa in [0.5, 1)
+        return torch.ldexp(torch.ones_like(values), exponent - 8)  # bf16 keeps 8 significant bits
+    # Ternary: the element's scale, read by decoding a code of all +1 digits (byte 242).
+    return codec.decode({**stored, "codes": torch.full_like(stored["codes"], 242)}, values.shape)
+
+
+@pytest.mark.parametrize("states", ["ternary", "bf16"])
+@pytest.mark.parametrize("name", SAMPLES)
+@pytest.mark.parametrize("shape", [SHAPE, torch.Size((SHAPE.numel(),))])
+def test_stochastic_rounding_is_unbiased(states, name, shape) -> None:
+    """The mean of N encodes is within 6 standard errors of the value, element by element:
+    rounding to neighbours a step q apart has a standard deviation of at most q/2."""
+    values = sample(name, torch.Generator().manual_seed(4)).view(shape)
+    codec = moment_codec(states, "linear", shape)
+    generator = torch.Generator().manual_seed(5)
+    draws = 400
+    total = torch.zeros(shape, dtype=torch.float64)
+    for _ in range(draws):
+        stored = codec.encode(values, generator)
+        total += codec.decode(stored, shape).double()
+    step = rounding_step(states, codec, stored, values).double()
+    mean_error = (total / draws - values.double()).abs()
+    assert (mean_error <= 6 * step / (2 * draws**0.5) + 1e-6 * values.abs().double()).all()
+
+
+def ema_through_ternary(round_to_nearest: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[float, float]:
+    """Run 200 small EMA steps m ← 0.99 m + 0.01 g through the ternary codec, starting from ±1.
+
+    Returns the fraction of ternary digits that never changed and the mean distance from the
+    exact (fp32) moving average at the end.
+    """
+    codec = moment_codec("ternary", "linear", SHAPE)
+    generator = torch.Generator().manual_seed(6)
+    target = 0.3 * torch.randn(SHAPE, generator=generator)
+    exact = torch.randn(SHAPE, generator=generator).sign()
+    moment = codec.decode(codec.encode(exact, generator), SHAPE)
+    first = moment.sign()
+    moved = torch.zeros(SHAPE, dtype=torch.bool)
+    with monkeypatch.context() as patch:
+        if round_to_nearest:  # every draw is 0.5: a value rounds away from 0 iff |x| > s/2
+            patch.setattr(torch, "rand", lambda shape, **kwargs: torch.full(shape, 0.5))
+        for _ in range(200):
+            moment = codec.decode(codec.encode(0.99 * moment + 0.01 * target, generator), SHAPE)
+            exact = 0.99 * exact + 0.01 * target
+            moved |= moment.sign() != first
+    return 1 - moved.float().mean().item(), (moment - exact).abs().mean().item()
+
+
+def test_stochastic_rounding_keeps_ternary_moving_averages_moving(monkeypatch: pytest.MonkeyPatch) -> None:
+    stale, distance = ema_through_ternary(False, monkeypatch)
+    stale_nearest, distance_nearest = ema_through_ternary(True, monkeypatch)
+    # With stochastic rounding only digits at a block's maximum (1 in 8) and a few others keep
+    # their value; round-to-nearest freezes every digit and the average never leaves its start.
+    assert stale < 0.3
+    assert stale_nearest > 0.9
+    assert distance < 0.5 * distance_nearest
