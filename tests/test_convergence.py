@@ -56,3 +56,54 @@ def test_galore_adafactor_trains_as_well_as_adamw(
         update_proj_gap=50,
     )
     assert loss <= 1.05 * adamw_loss
+
+
+def validation_loss_after(tokens: torch.Tensor, name: str, **options) -> float:
+    """Train a 2-layer, 128-wide byte LLaMA for 200 steps on the first 90% of the corpus and
+    return its mean loss on 8 batches of the last 10%."""
+    split = int(0.9 * tokens.numel())
+    model = tiny_llama(0, (128, 344, 4, 2))
+    if name == "torch_adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), **options)
+    else:
+        optimizer = build_optimizer(model, name, **options)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        batch = sample_batch(tokens[:split], 16, 64, generator)
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        losses = [
+            model(
+                input_ids=(batch := sample_batch(tokens[split:], 16, 64, generator)), labels=batch
+            ).loss.item()
+            for _ in range(8)
+        ]
+    return sum(losses) / len(losses)
+
+
+@pytest.fixture(scope="module")
+def fp32_adamw_validation_loss(shakespeare_tokens: torch.Tensor) -> float:
+    return validation_loss_after(shakespeare_tokens, "torch_adamw", lr=3e-3)
+
+
+@pytest.mark.parametrize(
+    ("name", "tolerance"),
+    [
+        ("adamw8bit", 0.02),
+        ("adamw4bit", 0.02),
+        ("adamw_ternary", 0.04),
+        ("galore_adamw8bit", 0.02),
+        ("galore_adamw4bit", 0.02),
+        ("galore_adamw_ternary", 0.04),
+    ],
+)
+def test_compressed_states_train_as_well_as_fp32_adamw(
+    shakespeare_tokens: torch.Tensor, fp32_adamw_validation_loss: float, name: str, tolerance: float
+) -> None:
+    # rank 32 keeps the projected states (32×128, 344×32) above the 4096-element fp32 threshold.
+    options = {"lr": 1e-2, "rank": 32, "update_proj_gap": 50} if name.startswith("galore") else {"lr": 3e-3}
+    loss = validation_loss_after(shakespeare_tokens, name, **options)
+    assert loss <= (1 + tolerance) * fp32_adamw_validation_loss

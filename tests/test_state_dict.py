@@ -29,17 +29,27 @@ def roundtrip(state_dict: dict) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("name", "dtype"),
+    ("name", "dtype", "states"),
     [
-        ("galore_adamw", torch.float32),
-        ("galore_adamw", torch.bfloat16),
-        ("galore_adafactor", torch.float32),
-        ("galore_adafactor", torch.bfloat16),
-        ("adamw", torch.bfloat16),
+        ("galore_adamw", torch.float32, None),
+        ("galore_adamw", torch.bfloat16, None),
+        ("galore_adafactor", torch.float32, None),
+        ("galore_adafactor", torch.bfloat16, None),
+        ("adamw", torch.bfloat16, None),
+        # Compressed states, stochastic rounding included; rank 64 keeps the projected states
+        # of this small model above the 4096 elements under which states stay fp32.
+        ("adamw8bit", torch.bfloat16, None),
+        ("galore_adamw4bit", torch.float32, None),
+        ("galore_adamw_ternary", torch.float32, None),
+        ("galore_adamw_ternary", torch.bfloat16, None),
+        ("galore_adamw", torch.float32, "bf16"),
     ],
 )
-def test_resume_mid_subspace_is_bit_exact(name: str, dtype: torch.dtype) -> None:
-    options = {"rank": 4, "update_proj_gap": 5} if name != "adamw" else {}
+def test_resume_mid_subspace_is_bit_exact(name: str, dtype: torch.dtype, states: str | None) -> None:
+    options: dict = {} if states is None else {"states": states}
+    if name.startswith("galore"):
+        options |= {"rank": 4 if name in ("galore_adamw", "galore_adafactor") and not states else 64}
+        options |= {"update_proj_gap": 5}
     lr = 1e-2 if name != "galore_adafactor" else None
 
     uninterrupted = tiny_llama(0).to(dtype)
@@ -49,6 +59,11 @@ def test_resume_mid_subspace_is_bit_exact(name: str, dtype: torch.dtype) -> None
     first = tiny_llama(0).to(dtype)
     optimizer = build_optimizer(first, name, lr=lr, **options)
     train(first, optimizer, 7)  # stop between the refreshes at steps 5 and 10
+    stored = [(key, value) for state in optimizer.state.values() for key, value in state.items()]
+    if name.endswith(("8bit", "4bit", "ternary")):
+        assert any(key.endswith(".codes") for key, _ in stored)
+    if states == "bf16":
+        assert any(isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 for _, value in stored)
     saved_model = roundtrip(first.state_dict())
     saved_optimizer = roundtrip(optimizer.state_dict())
 
