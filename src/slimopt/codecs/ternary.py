@@ -75,7 +75,7 @@ class TernaryCodec:
 
     def decode(self, stored: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
         exponents = stored["exponents"]
-        digits = _DIGITS.to(exponents.device)[stored["codes"].long()].reshape(-1)
+        digits = _DIGITS.to(exponents.device).index_select(0, stored["codes"].int()).reshape(-1)
         signs = digits[: exponents.numel() * self.block_size].float().sub_(1).view(-1, self.block_size)
         values = (signs * _exponent_scale(exponents.float()).unsqueeze(1)).reshape(-1)[: shape.numel()]
         if self.matrix:

@@ -1,0 +1,100 @@
+"""Bytes of optimizer state per parameter and optimizer-step time for every storage format,
+side by side with bitsandbytes AdamW8bit and torchao AdamW8bit / AdamW4bit, in one run.
+
+Parameters are the projected matrices plus embedding, head and norms of a LLaMA preset with
+random gradients; times are medians after warm-up steps (torchao compiles on its first step).
+
+    python benchmarks/state_storage.py [--model llama_60m] [--rank 128] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.refresh_speed import llama_parameters, timed
+from slimopt import build_optimizer
+from slimopt.train.models import LLAMA_PRESETS
+
+
+def stored_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of all state tensors; tensor subclasses (torchao) are counted by their inner tensors."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            if hasattr(value, "__tensor_flatten__"):
+                names, _ = value.__tensor_flatten__()
+                total += sum(getattr(value, n).numel() * getattr(value, n).element_size() for n in names)
+            else:
+                total += value.numel() * value.element_size()
+    return total
+
+
+class _Params(torch.nn.Module):
+    """Wraps loose tensors so build_optimizer can select the projected ones by name."""
+
+    def __init__(self, projected: list[torch.Tensor], other: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList()
+        for weight in projected:
+            linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            linear.weight = torch.nn.Parameter(weight, requires_grad=True)
+            self.blocks.append(linear)
+        self.rest = torch.nn.ParameterList([torch.nn.Parameter(p, requires_grad=True) for p in other])
+
+
+def candidates(rank: int) -> dict[str, Callable[[torch.nn.Module], torch.optim.Optimizer]]:
+    import bitsandbytes as bnb
+    from torchao.optim import AdamW4bit, AdamW8bit
+
+    return {
+        "torch.optim.AdamW(foreach=True)": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True),
+        "bitsandbytes AdamW8bit": lambda m: bnb.optim.AdamW8bit(m.parameters(), lr=1e-3),
+        "torchao AdamW8bit": lambda m: AdamW8bit(m.parameters(), lr=1e-3),
+        "torchao AdamW4bit": lambda m: AdamW4bit(m.parameters(), lr=1e-3),
+        "slimopt adamw": lambda m: build_optimizer(m, "adamw", lr=1e-3),
+        "slimopt adamw8bit": lambda m: build_optimizer(m, "adamw8bit", lr=1e-3),
+        "slimopt adamw4bit": lambda m: build_optimizer(m, "adamw4bit", lr=1e-3),
+        "slimopt adamw_ternary": lambda m: build_optimizer(m, "adamw_ternary", lr=1e-3),
+        f"slimopt galore_adamw8bit r{rank}": lambda m: build_optimizer(
+            m, "galore_adamw8bit", lr=1e-3, rank=rank, update_proj_gap=10**9
+        ),
+        f"slimopt galore_adamw_ternary r{rank}": lambda m: build_optimizer(
+            m, "galore_adamw_ternary", lr=1e-3, rank=rank, update_proj_gap=10**9
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama_60m", choices=list(LLAMA_PRESETS))
+    parser.add_argument("--rank", type=int, default=128)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(
+        f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.model}\n"
+    )
+    print("| optimizer | state bytes/param | step seconds |")
+    print("|---|---|---|")
+    for name, make in candidates(args.rank).items():
+        torch.manual_seed(0)
+        model = _Params(*llama_parameters(args.model, args.device))
+        count = sum(p.numel() for p in model.parameters())
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+        optimizer = make(model)
+        optimizer.step()  # creates the state (and compiles, for torchao)
+        seconds = timed(optimizer.step, args.device, args.repeats)
+        print(f"| {name} | {stored_bytes(optimizer) / count:.3f} | {seconds:.3f} |", flush=True)
+        del model, optimizer
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()
