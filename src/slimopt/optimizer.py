@@ -54,7 +54,10 @@ class GaLoreOptimizer(Optimizer):
     default_states: ClassVar[str] = "fp32"
 
     def __init__(
-        self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any], options: dict
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        options: dict[str, Any],
     ) -> None:
         valid = ["rank", *PROJECTION_DEFAULTS, *STORAGE_DEFAULTS]
         unknown = sorted(set(options) - set(valid))
