@@ -21,6 +21,7 @@ per element.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -31,6 +32,12 @@ EXPONENT_STEPS_PER_OCTAVE = 4
 _POWERS_OF_THREE = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8)
 # _DIGITS[b] are the five ternary digits of byte b, least significant first.
 _DIGITS = torch.stack([(torch.arange(256) // 3**k) % 3 for k in range(TRITS_PER_BYTE)], dim=1).to(torch.uint8)
+
+
+@cache
+def _tables(device: torch.device) -> tuple[Tensor, Tensor]:
+    """(powers of three, digits of every byte) on ``device``, copied there once."""
+    return _POWERS_OF_THREE.to(device), _DIGITS.to(device)
 
 
 def _safe(scale: Tensor) -> Tensor:
@@ -75,7 +82,7 @@ class TernaryCodec:
 
     def decode(self, stored: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
         exponents = stored["exponents"]
-        digits = _DIGITS.to(exponents.device).index_select(0, stored["codes"].int()).reshape(-1)
+        digits = _tables(exponents.device)[1].index_select(0, stored["codes"].int()).reshape(-1)
         signs = digits[: exponents.numel() * self.block_size].float().sub_(1).view(-1, self.block_size)
         values = (signs * _exponent_scale(exponents.float()).unsqueeze(1)).reshape(-1)[: shape.numel()]
         if self.matrix:
@@ -94,4 +101,4 @@ def _ternarize(normalized: Tensor, generator: torch.Generator | None) -> Tensor:
     # Digits 0, 1, 2 stand for -1, 0, +1.
     digits = torch.where(draws < normalized.abs(), normalized.sign(), 0.0).add_(1).to(torch.uint8)
     digits = _pad(digits, TRITS_PER_BYTE).view(-1, TRITS_PER_BYTE)
-    return (digits * _POWERS_OF_THREE.to(digits.device)).sum(dim=1, dtype=torch.uint8)
+    return (digits * _tables(digits.device)[0]).sum(dim=1, dtype=torch.uint8)
