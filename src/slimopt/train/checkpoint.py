@@ -1,0 +1,141 @@
+"""Training checkpoints that are written atomically and verified before anything is loaded.
+
+A checkpoint is a directory ``step-NNNNNNNN`` holding ``model.safetensors``, ``optimizer.pt`` and
+``trainer.pt`` (both ``torch.load(..., weights_only=True)``-loadable) and, written last, a
+``manifest.json`` with every file's size and SHA-256. It is assembled in a hidden temporary
+directory and renamed into place, so an interrupted save leaves the previous checkpoints as they
+were and never a directory that looks complete. Loading reads and checks everything (manifest,
+hashes, parameter names and shapes) before it touches the model or the optimizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+MANIFEST = "manifest.json"
+FILES = ("model.safetensors", "optimizer.pt", "trainer.pt")
+PREFIX = "step-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, corrupt or from another model."""
+
+
+def save_checkpoint(
+    directory: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer: dict[str, Any],
+) -> Path:
+    """Write the checkpoint of ``step`` under ``directory`` and return its path.
+
+    ``trainer`` holds the rest of the run's state (scheduler, RNG states, data position, …) as
+    tensors and plain Python values.
+    """
+    from safetensors.torch import save_model
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"{PREFIX}{step:08d}"
+    staging = directory / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    save_model(model, str(staging / "model.safetensors"))
+    torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+    torch.save(trainer, staging / "trainer.pt")
+    manifest = {"step": step, "files": {name: _describe(staging / name) for name in FILES}}
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    for path in staging.iterdir():
+        _fsync(path)
+    if final.exists():  # re-saving a step: move the old one aside first, then drop it
+        retired = directory / f".{final.name}.old-{os.getpid()}"
+        final.rename(retired)
+        staging.rename(final)
+        shutil.rmtree(retired)
+    else:
+        staging.rename(final)
+    _fsync(directory)
+    return final
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The checkpoint with the highest step under ``directory`` that has a manifest, or None.
+
+    Raises ``CheckpointError`` when ``directory`` does not exist."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist")
+    complete = sorted(p for p in directory.glob(f"{PREFIX}*") if (p / MANIFEST).exists())
+    return complete[-1] if complete else None
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Verify the checkpoint at ``path``, then restore ``model`` and ``optimizer`` from it and
+    return the trainer state. Raises ``CheckpointError`` (and changes nothing) when a file is
+    missing, truncated or altered, or when the parameters do not match ``model``."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        raise CheckpointError(f"{path} is not a complete checkpoint: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        expected = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{manifest_path} is corrupt: {error}") from error
+    for name in FILES:
+        file = path / name
+        if not file.exists():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+        if _describe(file) != expected.get(name):
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its manifest entry")
+    weights = load_file(str(path / "model.safetensors"))
+    _check_model(path, model, weights)
+    optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
+    trainer = torch.load(path / "trainer.pt", weights_only=True)
+    model.load_state_dict(weights, strict=False)
+    optimizer.load_state_dict(optimizer_state)
+    return trainer
+
+
+def _check_model(path: Path, model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Every saved tensor must be a model tensor of the same shape, and every model parameter
+    must be saved (tied parameters are saved once under one of their names)."""
+    own = model.state_dict()
+    for name, tensor in weights.items():
+        if name not in own or own[name].shape != tensor.shape:
+            shape = tuple(own[name].shape) if name in own else "absent"
+            raise CheckpointError(
+                f"checkpoint {path} is from another model: {name} has shape {tuple(tensor.shape)} there, "
+                f"{shape} in this model"
+            )
+    saved = {own[name].data_ptr() for name in weights}
+    missing = [name for name, tensor in own.items() if tensor.data_ptr() not in saved]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is from another model: it has no {missing[0]}")
+
+
+def _describe(file: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    with file.open("rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 22), b""):
+            digest.update(chunk)
+    return {"bytes": file.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
