@@ -1,0 +1,208 @@
+"""``slimopt`` command line: argument parsing only; the work is in ``slimopt.train``.
+
+    slimopt train --model llama_20m --optimizer galore_adamw --rank 128 --steps 1000 --out runs/x
+    slimopt train --resume runs/x
+    slimopt compare --optimizers adamw,galore_adamw,galore_adamw8bit --steps 300
+    slimopt compare --preset demo
+
+Every user error (a bad flag value, path, preset, optimizer, checkpoint) ends with one line
+``slimopt: error: …`` and exit code 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from slimopt.registry import available_optimizers
+from slimopt.train.models import LLAMA_PRESETS
+
+# Flags that configure the optimizer rather than the run, with their types.
+OPTIMIZER_FLAGS: dict[str, type] = {
+    "rank": int,
+    "update_proj_gap": int,
+    "scale": float,
+    "proj_type": str,
+    "proj_method": str,
+    "on_subspace_change": str,
+    "states": str,
+    "block_size": int,
+    "weight_decay": float,
+}
+
+# The README's main command: three optimizers on the built-in corpus in minutes on two CPU cores.
+PRESETS: dict[str, dict[str, Any]] = {
+    "demo": {
+        "optimizers": "adamw,galore_adamw,galore_adamw8bit,galore_adamw_ternary",
+        "model": "llama_9m",
+        "vocab_size": 4096,
+        "steps": 150,
+        "batch_size": 16,
+        "seq_len": 128,
+        "lr": 3e-3,
+        "rank": 64,
+        "update_proj_gap": 50,
+        "eval_every": 50,
+        "eval_batches": 8,
+        "out": "runs/demo",
+    }
+}
+
+
+def _run_flags(parser: argparse.ArgumentParser) -> None:
+    from slimopt.train.loop import TrainConfig
+
+    defaults = TrainConfig()
+    parser.add_argument("--config", help="YAML or TOML file with any of these options")
+    parser.add_argument("--model", help=f"preset ({', '.join(LLAMA_PRESETS)}) or a Hugging Face config path")
+    parser.add_argument(
+        "--data", help="shakespeare (default), a .txt/.md/.jsonl file or directory, or hf:NAME[:CONFIG]"
+    )
+    parser.add_argument(
+        "--tokenizer", help="Hugging Face tokenizer name or path (default: BPE trained on the data)"
+    )
+    parser.add_argument("--vocab-size", type=int, help=f"BPE vocabulary (default {defaults.vocab_size})")
+    parser.add_argument("--steps", type=int, help=f"optimizer steps (default {defaults.steps})")
+    parser.add_argument("--batch-size", type=int, help=f"sequences per step (default {defaults.batch_size})")
+    parser.add_argument(
+        "--micro-batch-size", type=int, help="sequences per forward pass (gradient accumulation)"
+    )
+    parser.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {defaults.seq_len})")
+    parser.add_argument("--lr", type=float, help=f"peak learning rate (default {defaults.lr})")
+    parser.add_argument(
+        "--warmup", type=float, help="warm-up steps, or a fraction of the steps if < 1 (default 0.1)"
+    )
+    parser.add_argument(
+        "--grad-clip", type=float, help="global gradient-norm clip, 0 to disable (default 1.0)"
+    )
+    parser.add_argument(
+        "--eval-every", type=int, help=f"steps between validations (default {defaults.eval_every})"
+    )
+    parser.add_argument(
+        "--eval-batches", type=int, help=f"validation batches (default {defaults.eval_batches})"
+    )
+    parser.add_argument("--save-every", type=int, help="steps between checkpoints (default: only at the end)")
+    parser.add_argument("--out", help="output directory")
+    parser.add_argument("--seed", type=int, help="random seed (default 0)")
+    parser.add_argument("--bf16", action="store_true", default=None, help="bf16 autocast")
+    parser.add_argument("--checkpointing", action="store_true", default=None, help="activation checkpointing")
+    parser.add_argument("--max-documents", type=int, help="read at most this many documents")
+    for name, kind in OPTIMIZER_FLAGS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"optimizer option {name}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slimopt", description="Memory-lean LLM training and comparison.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train one model with one optimizer")
+    train.add_argument("--optimizer", help=f"one of: {', '.join(available_optimizers())} (default adamw)")
+    train.add_argument("--resume", help="run directory (or checkpoint directory) to continue from")
+    _run_flags(train)
+    compare = commands.add_parser("compare", help="train the same model with several optimizers and compare")
+    compare.add_argument("--optimizers", help="comma-separated names; the first is the reference")
+    compare.add_argument("--preset", choices=list(PRESETS), help="a ready-made comparison")
+    _run_flags(compare)
+    return parser
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"config file {path!r} does not exist")
+    text = file.read_text()
+    if file.suffix == ".toml":
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib
+        values = tomllib.loads(text)
+    elif file.suffix in (".yaml", ".yml"):
+        import yaml
+
+        values = yaml.safe_load(text) or {}
+    else:
+        raise ValueError(f"config file {path!r} must end in .toml, .yaml or .yml")
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path!r} must hold a mapping of option names to values")
+    return {key.replace("-", "_"): value for key, value in values.items()}
+
+
+def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Preset, then config file, then flags given on the command line (later ones win)."""
+    options: dict[str, Any] = dict(PRESETS[args.preset]) if getattr(args, "preset", None) else {}
+    if args.config:
+        options |= _read_config(args.config)
+    options |= {
+        k: v for k, v in vars(args).items() if v is not None and k not in ("command", "config", "preset")
+    }
+    return options
+
+
+def make_config(options: dict[str, Any], optimizer: str | None = None):
+    """A ``TrainConfig`` from resolved options; raises ``ValueError`` naming a bad value."""
+    from slimopt.train.loop import TrainConfig
+
+    names = {f.name for f in fields(TrainConfig)} - {"optimizer_options"}
+    unknown = sorted(set(options) - names - set(OPTIMIZER_FLAGS) - {"optimizers", "optimizer"})
+    if unknown:
+        valid = ", ".join(sorted(names | set(OPTIMIZER_FLAGS)))
+        raise ValueError(f"unknown option(s) {', '.join(unknown)}; valid: {valid}")
+    name = optimizer or options.get("optimizer", "adamw")
+    if name not in available_optimizers():
+        raise ValueError(f"unknown optimizer {name!r}; available: {', '.join(available_optimizers())}")
+    model = options.get("model")
+    if model is not None and model not in LLAMA_PRESETS and not Path(model).exists():
+        raise ValueError(
+            f"unknown model {model!r}; valid: {', '.join(LLAMA_PRESETS)} or a Hugging Face config path"
+        )
+    run = {k: v for k, v in options.items() if k in names}
+    extras = {k: v for k, v in options.items() if k in OPTIMIZER_FLAGS}
+    if not name.startswith("galore"):
+        extras = {k: v for k, v in extras.items() if k in ("states", "block_size", "weight_decay")}
+    return TrainConfig(optimizer=name, optimizer_options=extras, **run)
+
+
+def run_train(options: dict[str, Any]) -> dict[str, Any]:
+    from slimopt.train.loop import train
+
+    if options.get("resume") and "out" not in options:
+        options["out"] = options["resume"]
+    summary = train(make_config(options))
+    print(json.dumps(summary, indent=1))
+    return summary
+
+
+def run_compare(options: dict[str, Any]) -> list[dict[str, Any]]:
+    from slimopt.train.compare import compare
+
+    names = [n.strip() for n in str(options.pop("optimizers", "adamw,galore_adamw")).split(",") if n.strip()]
+    out = Path(options.pop("out", "runs/compare"))
+    configs = [make_config({**options, "out": str(out / name)}, optimizer=name) for name in names]
+    return compare(configs, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``slimopt`` console script; returns the exit code."""
+    from slimopt.train.checkpoint import CheckpointError
+    from slimopt.train.corpus import CorpusError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        options = resolve_options(args)
+        if args.command == "train":
+            summary = run_train(options)
+            return 130 if summary["interrupted"] else 0
+        run_compare(options)
+        return 0
+    except (ValueError, CorpusError, CheckpointError) as error:
+        print(f"slimopt: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""``slimopt compare``: the same model, data, seed and steps for several optimizers, then a
+table (validation perplexity, ratio to the first optimizer, state bytes, peak memory, tokens/s),
+``results.json`` and a PNG of the loss curves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from slimopt.train.loop import TrainConfig, train
+
+
+def compare(configs: list[TrainConfig], out: Path, *, progress: bool = True) -> list[dict[str, Any]]:
+    """Train each configuration, write ``results.json``, ``results.md`` and ``losses.png`` under
+    ``out``, print the table and return the summaries."""
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for config in configs:
+        summary = train(config, progress=progress)
+        history = [json.loads(line) for line in (Path(config.out) / "metrics.jsonl").read_text().splitlines()]
+        results.append({**summary, "history": history})
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    table = markdown_table(results)
+    (out / "results.md").write_text(table)
+    plot_losses(results, out / "losses.png")
+    print(table)
+    return results
+
+
+def markdown_table(results: list[dict[str, Any]]) -> str:
+    reference = results[0]["val_ppl"]
+    lines = [
+        "| optimizer | val loss | val ppl | ppl ratio | state MiB | peak memory MiB | tokens/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        cells = [
+            r["optimizer"],
+            f"{r['val_loss']:.4f}",
+            f"{r['val_ppl']:.2f}",
+            f"{r['val_ppl'] / reference:.3f}",
+            f"{r['state_bytes'] / 2**20:.2f}",
+            f"{r['peak_memory_bytes'] / 2**20:.1f}",
+            f"{r['tokens_per_s']:.0f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_losses(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (train_axis, val_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        steps = [h["step"] for h in r["history"]]
+        train_axis.plot(steps, [h["loss"] for h in r["history"]], label=r["optimizer"], linewidth=1)
+        evaluated = [h for h in r["history"] if "val_loss" in h]
+        val_axis.plot(
+            [h["step"] for h in evaluated],
+            [h["val_loss"] for h in evaluated],
+            marker="o",
+            label=r["optimizer"],
+        )
+    for axis, title in ((train_axis, "training loss"), (val_axis, "validation loss")):
+        axis.set_xlabel("step")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,301 @@
+"""The training loop behind ``slimopt train``: readable top to bottom, configuration as plain values.
+
+Data are packed token rows, visited in a seeded permutation per epoch, so the position in the
+stream (a single integer) plus the RNG states restore the exact batch order on resume. The
+learning rate warms up linearly and then follows a cosine to ``min_lr_ratio`` of its peak (the
+GaLore paper's schedule). A SIGINT finishes the current step, saves a checkpoint and stops.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from slimopt.memory import state_nbytes
+from slimopt.registry import build_optimizer
+from slimopt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from slimopt.train.corpus import load_corpus, split_documents
+from slimopt.train.models import build_llama
+from slimopt.train.tokenizer import (
+    TextTokenizer,
+    bpe_tokenizer,
+    default_cache_dir,
+    pack,
+    pretrained_tokenizer,
+)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs; the CLI flags map one to one onto these fields."""
+
+    model: str = "llama_20m"
+    optimizer: str = "adamw"
+    data: str = "shakespeare"
+    tokenizer: str | None = None  # None: byte-level BPE trained on the training split
+    vocab_size: int = 8192
+    steps: int = 1000
+    batch_size: int = 64  # sequences per optimizer step
+    micro_batch_size: int | None = None  # sequences per forward pass; None = batch_size
+    seq_len: int = 256
+    lr: float = 1e-3
+    warmup: float = 0.1  # a fraction of the steps if < 1, else a number of steps
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+    eval_every: int = 100
+    eval_batches: int = 20
+    save_every: int = 0  # 0: only at the end (and on SIGINT)
+    out: str = "runs/slimopt"
+    resume: str | None = None
+    seed: int = 0
+    bf16: bool = False
+    checkpointing: bool = False
+    validation_fraction: float = 0.05
+    max_documents: int | None = None
+    optimizer_options: dict[str, Any] = field(default_factory=dict)  # rank, states, weight_decay, …
+
+    def __post_init__(self) -> None:
+        micro = self.micro_batch_size or self.batch_size
+        if self.batch_size <= 0 or micro <= 0 or self.batch_size % micro:
+            raise ValueError(
+                f"batch size {self.batch_size} is not a positive multiple of the micro-batch size {micro}"
+            )
+        for name in ("steps", "seq_len", "vocab_size", "eval_every", "eval_batches"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.lr < 0 or self.warmup < 0 or self.save_every < 0 or self.grad_clip < 0:
+            raise ValueError("lr, warmup, save-every and grad-clip must be >= 0")
+
+    @property
+    def accumulation(self) -> int:
+        return self.batch_size // (self.micro_batch_size or self.batch_size)
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
+    """Multiplier of the peak learning rate at each step: linear warm-up from 0, then a cosine
+    from 1 down to ``min_ratio`` at ``total_steps``."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return step / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class Batches:
+    """Rows of packed tokens in a seeded permutation per epoch; ``position`` counts rows served,
+    so it alone restores the order on resume."""
+
+    def __init__(self, rows: Tensor, seed: int) -> None:
+        self.rows, self.seed, self.position = rows, seed, 0
+        self._epoch, self._order = -1, torch.empty(0, dtype=torch.long)
+
+    def take(self, count: int) -> Tensor:
+        picked = []
+        for _ in range(count):
+            epoch, index = divmod(self.position, len(self.rows))
+            if epoch != self._epoch:
+                generator = torch.Generator().manual_seed(self.seed + epoch)
+                self._epoch, self._order = epoch, torch.randperm(len(self.rows), generator=generator)
+            picked.append(self.rows[self._order[index]])
+            self.position += 1
+        return torch.stack(picked)
+
+
+def prepare_data(config: TrainConfig) -> tuple[TextTokenizer, Tensor, Tensor]:
+    """Tokenizer, training rows and validation rows of the configured corpus."""
+    documents = load_corpus(config.data, max_documents=config.max_documents)
+    train_texts, validation_texts = split_documents(documents, config.validation_fraction)
+    if config.tokenizer:
+        tokenizer = pretrained_tokenizer(config.tokenizer)
+    else:
+        tokenizer = bpe_tokenizer(train_texts, config.vocab_size, default_cache_dir())
+    train_rows = pack(tokenizer.encode(train_texts), config.seq_len, tokenizer.eos_id)
+    validation_rows = pack(tokenizer.encode(validation_texts), config.seq_len, tokenizer.eos_id)
+    return tokenizer, train_rows, validation_rows
+
+
+def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
+    """A LLaMA preset, or a Hugging Face config file or directory."""
+    if Path(config.model).exists():
+        from transformers import AutoConfig, LlamaForCausalLM
+
+        hf_config = AutoConfig.from_pretrained(config.model)
+        hf_config.vocab_size = vocab_size
+        model = LlamaForCausalLM(hf_config)
+    else:
+        model = build_llama(config.model, vocab_size, max_seq_len=config.seq_len)
+    if config.checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, rows: Tensor, config: TrainConfig, device: torch.device) -> float:
+    """Mean loss over the first ``eval_batches`` micro-batches of the validation rows."""
+    model.eval()
+    size = config.micro_batch_size or config.batch_size
+    losses = []
+    for start in range(0, min(len(rows), config.eval_batches * size), size):
+        batch = rows[start : start + size].to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+            losses.append(model(input_ids=batch, labels=batch).loss.float().item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def memory_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    """Peak allocated bytes on CUDA; on the CPU the exact bytes of parameters, gradients and state."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    return sum(t.numel() * t.element_size() for t in tensors) + state_nbytes(optimizer)
+
+
+class _Interrupt:
+    """Turns SIGINT into a flag the loop checks after each step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __enter__(self) -> _Interrupt:
+        self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self.previous)
+
+
+def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
+    """Run (or resume) training; return the summary that is also written to ``out/summary.json``."""
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer, train_rows, validation_rows = prepare_data(config)
+    model = build_model(config, tokenizer.vocab_size).to(device)
+    optimizer = build_optimizer(model, config.optimizer, lr=config.lr, **config.optimizer_options)
+    warmup = int(config.warmup * config.steps) if config.warmup < 1 else int(config.warmup)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(config.steps, warmup, config.min_lr_ratio)
+    )
+    batches = Batches(train_rows, config.seed)
+    start = 0
+    metrics_path = out / "metrics.jsonl"
+    if config.resume:
+        run = Path(config.resume)
+        checkpoint = latest_checkpoint(run / "checkpoints" if (run / "checkpoints").is_dir() else run)
+        if checkpoint is None:
+            raise ValueError(f"no checkpoint under {config.resume!r} to resume from")
+        state = load_checkpoint(checkpoint, model, optimizer)
+        schedule.load_state_dict(state["schedule"])
+        batches.position, start = state["position"], state["step"]
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        # Steps logged after the checkpoint are redone: drop them from the log.
+        if metrics_path.exists():
+            kept = [
+                line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= start
+            ]
+            metrics_path.write_text("".join(line + "\n" for line in kept))
+    elif metrics_path.exists():
+        metrics_path.unlink()
+    (out / "config.json").write_text(json.dumps(asdict(config), indent=1))
+
+    def save(step: int) -> Path:
+        trainer_state = {
+            "step": step,
+            "position": batches.position,
+            "schedule": schedule.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+        }
+        return save_checkpoint(out / "checkpoints", step, model, optimizer, trainer_state)
+
+    def log(record: dict[str, Any]) -> None:
+        with metrics_path.open("a") as stream:
+            stream.write(json.dumps(record) + "\n")
+
+    bar = _progress(progress, config.steps, start)
+    tokens_per_step = config.batch_size * config.seq_len
+    summary: dict[str, Any] = {"optimizer": config.optimizer, "interrupted": False}
+    with _Interrupt() as interrupt:
+        for step in range(start + 1, config.steps + 1):
+            began = time.perf_counter()
+            loss = 0.0
+            for _ in range(config.accumulation):
+                batch = batches.take(config.micro_batch_size or config.batch_size).to(device)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+                    micro_loss = model(input_ids=batch, labels=batch).loss / config.accumulation
+                micro_loss.backward()
+                loss += micro_loss.item()
+            if config.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            lr = schedule.get_last_lr()[0]
+            optimizer.step()
+            schedule.step()
+            memory = memory_bytes(model, optimizer, device)
+            optimizer.zero_grad(set_to_none=True)
+            record = {
+                "step": step,
+                "loss": loss,
+                "lr": lr,
+                "tokens_per_s": tokens_per_step / (time.perf_counter() - began),
+                "memory_bytes": memory,
+            }
+            if step % config.eval_every == 0 or step == config.steps:
+                record["val_loss"] = evaluate(model, validation_rows, config, device)
+                record["val_ppl"] = math.exp(record["val_loss"])
+            log(record)
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{loss:.3f}",
+                lr=f"{lr:.2e}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+                mem=f"{memory / 2**20:.0f}MiB",
+            )
+            if interrupt.requested:
+                summary["interrupted"] = True
+                save(step)
+                break
+            if config.save_every and step % config.save_every == 0 and step != config.steps:
+                save(step)
+        else:
+            save(config.steps)
+    bar.close()
+    history = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    evaluations = [r for r in history if "val_loss" in r]
+    summary |= {
+        "steps": history[-1]["step"] if history else start,
+        "final_train_loss": history[-1]["loss"] if history else None,
+        "val_loss": evaluations[-1]["val_loss"] if evaluations else None,
+        "val_ppl": evaluations[-1]["val_ppl"] if evaluations else None,
+        "state_bytes": state_nbytes(optimizer),
+        "peak_memory_bytes": max((r["memory_bytes"] for r in history), default=0),
+        "tokens_per_s": sum(r["tokens_per_s"] for r in history) / max(1, len(history)),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tokenizer": tokenizer.description,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _progress(enabled: bool, total: int, initial: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
