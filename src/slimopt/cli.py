@@ -146,7 +146,7 @@ def make_config(options: dict[str, Any], optimizer: str | None = None):
     """A ``TrainConfig`` from resolved options; raises ``ValueError`` naming a bad value."""
     from slimopt.train.loop import TrainConfig
 
-    names = {f.name for f in fields(TrainConfig)} - {"optimizer_options"}
+    names = {f.name for f in fields(TrainConfig)} - {"optimizer_options", "optimizer"}
     unknown = sorted(set(options) - names - set(OPTIMIZER_FLAGS) - {"optimizers", "optimizer"})
     if unknown:
         valid = ", ".join(sorted(names | set(OPTIMIZER_FLAGS)))

@@ -74,6 +74,8 @@ class TrainConfig:
                 raise ValueError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.lr < 0 or self.warmup < 0 or self.save_every < 0 or self.grad_clip < 0:
             raise ValueError("lr, warmup, save-every and grad-clip must be >= 0")
+        if self.resume and not Path(self.resume).is_dir():
+            raise ValueError(f"resume directory {self.resume!r} does not exist")
 
     @property
     def accumulation(self) -> int:

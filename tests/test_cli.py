@@ -1,0 +1,195 @@
+"""End to end through the ``slimopt`` command line, on a tiny model and a small corpus."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from slimopt.cli import main
+
+from .conftest import SHAKESPEARE
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLIMOPT_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny LLaMA config and a 200 kB slice of tinyshakespeare."""
+    root = tmp_path_factory.mktemp("cli")
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+    ).save_pretrained(root / "tiny")
+    if not SHAKESPEARE.exists():
+        pytest.skip(f"corpus not found at {SHAKESPEARE}")
+    (root / "text").mkdir()
+    (root / "text" / "shakespeare.txt").write_text(SHAKESPEARE.read_text()[:200_000])
+    return root
+
+
+def run_args(workspace: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--model", str(workspace / "tiny"), "--data", str(workspace / "text"), "--vocab-size", "300",
+        "--seq-len", "32", "--batch-size", "8", "--micro-batch-size", "4", "--lr", "1e-2",
+        "--eval-every", "4", "--eval-batches", "2", "--out", str(out), *extra,
+    ]  # fmt: skip
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_runs_logs_evaluates_and_checkpoints(workspace: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        "--optimizer",
+        "galore_adamw8bit",
+        "--rank",
+        "8",
+        "--steps",
+        "12",
+        *run_args(workspace, out),
+    ]
+    assert main(argv) == 0
+    history = metrics(out)
+    assert [r["step"] for r in history] == list(range(1, 13))
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert [r["step"] for r in history if "val_loss" in r] == [4, 8, 12]
+    assert history[0]["lr"] == 0.0 and max(r["lr"] for r in history) == pytest.approx(1e-2)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["state_bytes"] > 0 and summary["val_ppl"] > 1
+    assert (out / "checkpoints" / "step-00000012" / "manifest.json").exists()
+    assert json.loads(capsys.readouterr().out)["optimizer"] == "galore_adamw8bit"
+
+
+def test_resumed_run_repeats_the_uninterrupted_one(workspace: Path, tmp_path: Path) -> None:
+    common = ["--optimizer", "galore_adamw_ternary", "--rank", "8", "--update-proj-gap", "3", "--steps", "10"]
+    assert main(["train", *common, *run_args(workspace, tmp_path / "whole")]) == 0
+    assert main(["train", *common, "--save-every", "5", *run_args(workspace, tmp_path / "split")]) == 0
+    checkpoints = tmp_path / "split" / "checkpoints"
+    for step in (6, 7, 8, 9, 10):  # keep only the checkpoint of step 5, as if stopped there
+        (checkpoints / f"step-{step:08d}" / "manifest.json").unlink(missing_ok=True)
+    assert (
+        main(
+            ["train", *common, "--resume", str(tmp_path / "split"), *run_args(workspace, tmp_path / "split")]
+        )
+        == 0
+    )
+    whole, split = metrics(tmp_path / "whole"), metrics(tmp_path / "split")
+    assert [r["step"] for r in split] == list(range(1, 11))
+    for a, b in zip(whole, split, strict=True):
+        assert a["loss"] == b["loss"] and a.get("val_loss") == b.get("val_loss") and a["lr"] == b["lr"]
+
+
+def test_sigint_saves_a_checkpoint_and_stops(workspace: Path, tmp_path: Path) -> None:
+    out = tmp_path / "interrupted"
+    argv = ["train", "--steps", "400", *run_args(workspace, out)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "slimopt.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    done = threading.Event()
+
+    def interrupt_after_a_few_steps() -> None:
+        metrics_file = out / "metrics.jsonl"
+        while not done.is_set():
+            if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3:
+                process.send_signal(signal.SIGINT)
+                return
+            done.wait(0.2)
+
+    watcher = threading.Thread(target=interrupt_after_a_few_steps)
+    watcher.start()
+    try:
+        _, stderr = process.communicate(timeout=300)
+    finally:
+        done.set()
+        watcher.join()
+    assert process.returncode == 130, stderr.decode()[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] and 3 <= summary["steps"] < 400
+    assert (out / "checkpoints" / f"step-{summary['steps']:08d}" / "manifest.json").exists()
+
+
+def test_compare_writes_results_table_and_plot(workspace: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "compare"
+    argv = [
+        "compare",
+        "--optimizers",
+        "adamw,galore_adamw",
+        "--rank",
+        "8",
+        "--steps",
+        "4",
+        *run_args(workspace, out),
+    ]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [r["optimizer"] for r in results] == ["adamw", "galore_adamw"]
+    table = (out / "results.md").read_text()
+    assert "| adamw |" in table and "| galore_adamw |" in table and "| 1.000 |" in table
+    assert table in capsys.readouterr().out
+    assert (out / "losses.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_config_file_supplies_options(workspace: Path, tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text('optimizer = "adamw4bit"\nsteps = 2\n')
+    out = tmp_path / "configured"
+    assert main(["train", "--config", str(config), *run_args(workspace, out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["optimizer"] == "adamw4bit"
+    assert len(metrics(out)) == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--model", "llama_3m"], "unknown model 'llama_3m'; valid: llama_9m"),
+        (["train", "--optimizer", "sgd"], "unknown optimizer 'sgd'; available: adamw"),
+        (
+            ["train", "--data", "/nonexistent/corpus.txt"],
+            "data path '/nonexistent/corpus.txt' does not exist",
+        ),
+        (
+            ["train", "--batch-size", "10", "--micro-batch-size", "4"],
+            "batch size 10 is not a positive multiple",
+        ),
+        (["train", "--config", "/nonexistent.toml"], "config file '/nonexistent.toml' does not exist"),
+        (["train", "--resume", "/nonexistent/run"], "resume directory '/nonexistent/run' does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(argv: list[str], message: str, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("slimopt: error: ") and message in err and "Traceback" not in err
+    assert err.count("\n") == 1
+
+
+def test_checkpoint_of_another_model_is_refused(workspace: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "small"
+    assert main(["train", "--steps", "1", *run_args(workspace, out)]) == 0
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        hidden_size=64, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2
+    ).save_pretrained(tmp_path / "wider")
+    argv = ["train", "--steps", "2", "--resume", str(out), *run_args(workspace, tmp_path / "resumed")]
+    argv[argv.index("--model") + 1] = str(tmp_path / "wider")
+    assert main(argv) == 2
+    assert "is from another model" in capsys.readouterr().err
