@@ -172,9 +172,14 @@ def test_config_file_supplies_options(workspace: Path, tmp_path: Path) -> None:
         ),
         (["train", "--config", "/nonexistent.toml"], "config file '/nonexistent.toml' does not exist"),
         (["train", "--resume", "/nonexistent/run"], "resume directory '/nonexistent/run' does not exist"),
+        (
+            ["train", "--tokenizer", "/nonexistent/tokenizer"],
+            "cannot load tokenizer '/nonexistent/tokenizer'",
+        ),
     ],
 )
-def test_bad_input_is_one_line_and_exit_code_2(argv: list[str], message: str, capsys) -> None:
+def test_bad_input_is_one_line_and_exit_code_2(argv: list[str], message: str, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("slimopt: error: ") and message in err and "Traceback" not in err
