@@ -169,8 +169,14 @@ def make_config(options: dict[str, Any], optimizer: str | None = None):
 def run_train(options: dict[str, Any]) -> dict[str, Any]:
     from slimopt.train.loop import train
 
-    if options.get("resume") and "out" not in options:
-        options["out"] = options["resume"]
+    if options.get("resume"):
+        # Continue the run as it was configured; flags given now override its config.json.
+        saved = Path(options["resume"]) / "config.json"
+        if saved.is_file():
+            base = json.loads(saved.read_text())
+            base.pop("resume", None)
+            options = {**base.pop("optimizer_options", {}), **base, **options}
+        options.setdefault("out", options["resume"])
     summary = train(make_config(options))
     print(json.dumps(summary, indent=1))
     return summary
