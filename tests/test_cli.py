@@ -163,6 +163,10 @@ def test_config_file_supplies_options(workspace: Path, tmp_path: Path) -> None:
         (["train", "--model", "llama_3m"], "unknown model 'llama_3m'; valid: llama_9m"),
         (["train", "--optimizer", "sgd"], "unknown optimizer 'sgd'; available: adamw"),
         (
+            ["train", "--optimizer", "adamw8bit", "--rank", "8"],
+            "'adamw8bit' does not project gradients, so it takes no --rank; projecting: galore_adamw",
+        ),
+        (
             ["train", "--data", "/nonexistent/corpus.txt"],
             "data path '/nonexistent/corpus.txt' does not exist",
         ),

@@ -142,8 +142,10 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def make_config(options: dict[str, Any], optimizer: str | None = None):
-    """A ``TrainConfig`` from resolved options; raises ``ValueError`` naming a bad value."""
+def make_config(options: dict[str, Any], optimizer: str | None = None, *, strict: bool = True):
+    """A ``TrainConfig`` from resolved options; raises ``ValueError`` naming a bad value.
+
+    ``strict=False`` (compare) lets projection options pass for the optimizers that do not project."""
     from slimopt.train.loop import TrainConfig
 
     names = {f.name for f in fields(TrainConfig)} - {"optimizer_options", "optimizer"}
@@ -162,7 +164,14 @@ def make_config(options: dict[str, Any], optimizer: str | None = None):
     run = {k: v for k, v in options.items() if k in names}
     extras = {k: v for k, v in options.items() if k in OPTIMIZER_FLAGS}
     if not name.startswith("galore"):
-        extras = {k: v for k, v in extras.items() if k in ("states", "block_size", "weight_decay")}
+        projection = sorted(k for k in extras if k not in ("states", "block_size", "weight_decay"))
+        if projection and strict:
+            flags = ", ".join("--" + k.replace("_", "-") for k in projection)
+            galore = ", ".join(n for n in available_optimizers() if n.startswith("galore"))
+            raise ValueError(
+                f"{name!r} does not project gradients, so it takes no {flags}; projecting: {galore}"
+            )
+        extras = {k: v for k, v in extras.items() if k not in projection}
     return TrainConfig(optimizer=name, optimizer_options=extras, **run)
 
 
@@ -187,7 +196,9 @@ def run_compare(options: dict[str, Any]) -> list[dict[str, Any]]:
 
     names = [n.strip() for n in str(options.pop("optimizers", "adamw,galore_adamw")).split(",") if n.strip()]
     out = Path(options.pop("out", "runs/compare"))
-    configs = [make_config({**options, "out": str(out / name)}, optimizer=name) for name in names]
+    configs = [
+        make_config({**options, "out": str(out / name)}, optimizer=name, strict=False) for name in names
+    ]
     return compare(configs, out)
 
 
