@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from slimopt import GaLoreAdamW
+from slimopt import GaLoreAdamW, state_nbytes
 from slimopt.projection import compute_basis, sides
 from slimopt.train.models import LLAMA_PRESETS
 
@@ -81,15 +81,6 @@ def llama_parameters(preset: str, device: str) -> tuple[list[torch.Tensor], list
     return projected, other
 
 
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(
-        v.numel() * v.element_size()
-        for state in optimizer.state.values()
-        for v in state.values()
-        if isinstance(v, torch.Tensor)
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama_60m", choices=list(LLAMA_PRESETS))
@@ -135,7 +126,7 @@ def main() -> None:
     print("|---|---|---|")
     for name, optimizer in candidates.items():
         seconds = timed(optimizer.step, args.device, args.repeats)
-        print(f"| {name} | {seconds:.4f} | {state_bytes(optimizer) / 2**20:.1f} |")
+        print(f"| {name} | {seconds:.4f} | {state_nbytes(optimizer) / 2**20:.1f} |")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from slimopt.registry import available_optimizers
+from slimopt.registry import OPTIMIZERS, available_optimizers
 from slimopt.train.models import LLAMA_PRESETS
 
 # Flags that configure the optimizer rather than the run, with their types.
@@ -163,11 +163,11 @@ def make_config(options: dict[str, Any], optimizer: str | None = None, *, strict
         )
     run = {k: v for k, v in options.items() if k in names}
     extras = {k: v for k, v in options.items() if k in OPTIMIZER_FLAGS}
-    if not name.startswith("galore"):
+    if not OPTIMIZERS[name].projected:
         projection = sorted(k for k in extras if k not in ("states", "block_size", "weight_decay"))
         if projection and strict:
             flags = ", ".join("--" + k.replace("_", "-") for k in projection)
-            galore = ", ".join(n for n in available_optimizers() if n.startswith("galore"))
+            galore = ", ".join(n for n, spec in OPTIMIZERS.items() if spec.projected)
             raise ValueError(
                 f"{name!r} does not project gradients, so it takes no {flags}; projecting: {galore}"
             )
