@@ -78,8 +78,11 @@ def test_train_runs_logs_evaluates_and_checkpoints(workspace: Path, tmp_path: Pa
     assert json.loads(capsys.readouterr().out)["optimizer"] == "galore_adamw8bit"
 
 
-def test_resumed_run_repeats_the_uninterrupted_one(workspace: Path, tmp_path: Path) -> None:
-    common = ["--optimizer", "galore_adamw_ternary", "--rank", "8", "--update-proj-gap", "3", "--steps", "10"]
+@pytest.mark.parametrize("mode", [[], ["--layerwise"]], ids=["stepping", "layerwise"])
+def test_resumed_run_repeats_the_uninterrupted_one(workspace: Path, tmp_path: Path, mode: list[str]) -> None:
+    common = [
+        "--optimizer", "galore_adamw_ternary", "--rank", "8", "--update-proj-gap", "3", "--steps", "10", *mode
+    ]  # fmt: skip
     assert main(["train", *common, *run_args(workspace, tmp_path / "whole")]) == 0
     assert main(["train", *common, "--save-every", "5", *run_args(workspace, tmp_path / "split")]) == 0
     checkpoints = tmp_path / "split" / "checkpoints"
@@ -93,6 +96,9 @@ def test_resumed_run_repeats_the_uninterrupted_one(workspace: Path, tmp_path: Pa
     )
     whole, split = metrics(tmp_path / "whole"), metrics(tmp_path / "split")
     assert [r["step"] for r in split] == list(range(1, 11))
+    # One schedule step per optimizer step (2 micro-batches each): warm-up from 0 to the peak.
+    assert whole[0]["lr"] == 0.0 and max(r["lr"] for r in whole) == pytest.approx(1e-2)
+    assert whole[-1]["loss"] < whole[0]["loss"]
     for a, b in zip(whole, split, strict=True):
         assert a["loss"] == b["loss"] and a.get("val_loss") == b.get("val_loss") and a["lr"] == b["lr"]
 

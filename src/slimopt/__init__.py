@@ -2,9 +2,11 @@
 
 ``GaLoreAdamW`` and ``GaLoreAdafactor`` are drop-in ``torch.optim`` optimizers (galore-torch's
 param-group convention) with fp32, bf16, int8, int4 or ternary moments (``states=``);
-``build_optimizer`` configures one for a model by name; ``state_nbytes`` counts its state.
+``build_optimizer`` configures one for a model by name; ``layerwise`` makes it update inside
+backward; ``state_nbytes`` counts its state.
 """
 
+from slimopt.layerwise import LayerwiseHandle, layerwise
 from slimopt.memory import state_nbytes
 from slimopt.optimizer import (
     AdamW4bit,
@@ -25,8 +27,10 @@ __all__ = [
     "GaLoreAdamW",
     "GaLoreAdamW8bit",
     "GaLoreOptimizer",
+    "LayerwiseHandle",
     "available_optimizers",
     "build_optimizer",
+    "layerwise",
     "select_target_modules",
     "state_nbytes",
 ]

@@ -90,6 +90,12 @@ def _run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="random seed (default 0)")
     parser.add_argument("--bf16", action="store_true", default=None, help="bf16 autocast")
     parser.add_argument("--checkpointing", action="store_true", default=None, help="activation checkpointing")
+    parser.add_argument(
+        "--layerwise",
+        action="store_true",
+        default=None,
+        help="update each parameter inside backward and free its gradient (clipping becomes per tensor)",
+    )
     parser.add_argument("--max-documents", type=int, help="read at most this many documents")
     for name, kind in OPTIMIZER_FLAGS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"optimizer option {name}")

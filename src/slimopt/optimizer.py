@@ -66,6 +66,7 @@ class GaLoreOptimizer(Optimizer):
         if options.get("rank") is None:
             options.pop("rank", None)
         self._ordinals: dict[Tensor, tuple[int, int, int]] | None = None
+        self._layerwise: Any = None  # the active slimopt.layerwise handle
         storage = {**STORAGE_DEFAULTS, "states": self.default_states}
         super().__init__(params, {**defaults, **PROJECTION_DEFAULTS, **storage, **options})
 
@@ -88,6 +89,11 @@ class GaLoreOptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Take one optimization step; ``closure`` re-evaluates the loss and returns it."""
+        if getattr(self, "_layerwise", None) is not None:
+            raise RuntimeError(
+                "this optimizer is in layer-wise mode: its updates run inside backward, so drop "
+                "optimizer.step() (and any closure) from the loop, or call handle.remove() first"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -97,6 +103,17 @@ class GaLoreOptimizer(Optimizer):
                 if param.grad is not None:
                     self._update(param, group)
         return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ``torch.optim`` state dict; raises ``RuntimeError`` halfway through a layer-wise
+        accumulation, whose partial sums it could not hold."""
+        handle = getattr(self, "_layerwise", None)
+        if handle is not None and handle.pending:
+            raise RuntimeError(
+                f"layer-wise accumulation is at micro-batch {handle.micro_step} of "
+                f"{handle.accumulation_steps}: save between optimizer steps"
+            )
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, keeping every state tensor in its saved dtype.
@@ -115,23 +132,51 @@ class GaLoreOptimizer(Optimizer):
         self._ordinals = None
 
     def _update(self, param: Tensor, group: dict[str, Any]) -> None:
-        if param.grad.is_sparse:
+        prepared = self._gradient_in_space(param, group, param.grad)
+        if prepared is not None:
+            self._apply_update(param, group, *prepared)
+
+    def _projects(self, param: Tensor, group: dict[str, Any]) -> bool:
+        return "rank" in group and param.dim() >= 2
+
+    def _needs_full_gradient(self, param: Tensor, group: dict[str, Any]) -> bool:
+        """Whether this step of ``param`` needs its whole gradient: it is not projected, or its
+        basis is refreshed from this step's gradient."""
+        return not self._projects(param, group) or self._refresh_due(self.state[param], group)
+
+    def _basis(self, param: Tensor) -> Basis | None:
+        state = self.state[param]
+        basis = Basis(state.get("basis_left"), state.get("basis_right"))
+        return None if basis.left is None and basis.right is None else basis
+
+    def _gradient_in_space(
+        self, param: Tensor, group: dict[str, Any], grad: Tensor
+    ) -> tuple[Tensor, Basis | None] | None:
+        """The fp32 gradient the rule sees and the basis it lives in (None: unprojected).
+
+        Refreshes the basis of a projected matrix first when its refresh is due. Returns None
+        (the update is skipped) when no basis could be computed yet.
+        """
+        if grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         state = self.state[param]
         if not state:
             self._init_state(param, group, state)
-        projected = "rank" in group and param.dim() >= 2
-        grad = param.grad.float()
-        basis = None
-        if projected:
-            grad = grad.reshape(param.shape[0], -1)
-            if self._refresh_due(state, group):
-                self._refresh(param, grad, state, group)
-            basis = Basis(state.get("basis_left"), state.get("basis_right"))
-            if basis.left is None and basis.right is None:
-                self._skip(param, state, "no projection basis could be computed yet")
-                return
-            grad = project(grad, basis)
+        if not self._projects(param, group):
+            return grad.float(), None
+        grad = grad.float().reshape(param.shape[0], -1)
+        if self._refresh_due(state, group):
+            self._refresh(param, grad, state, group)
+        basis = self._basis(param)
+        if basis is None:
+            self._skip(param, state, "no projection basis could be computed yet")
+            return None
+        return project(grad, basis), basis
+
+    def _apply_update(self, param: Tensor, group: dict[str, Any], grad: Tensor, basis: Basis | None) -> None:
+        """Run the rule on ``grad`` (already in the basis' space) and update ``param``."""
+        state = self.state[param]
+        projected = basis is not None
         if not _all_finite(grad):
             self._skip(param, state, "non-finite gradient")
             return

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from slimopt.layerwise import layerwise
 from slimopt.memory import state_nbytes
 from slimopt.registry import build_optimizer
 from slimopt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -59,6 +60,7 @@ class TrainConfig:
     seed: int = 0
     bf16: bool = False
     checkpointing: bool = False
+    layerwise: bool = False  # update each parameter inside backward (slimopt.layerwise)
     validation_fraction: float = 0.05
     max_documents: int | None = None
     optimizer_options: dict[str, Any] = field(default_factory=dict)  # rank, states, weight_decay, …
@@ -233,6 +235,13 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
         with metrics_path.open("a") as stream:
             stream.write(json.dumps(record) + "\n")
 
+    # Layer-wise: the handle updates, clips (per tensor) and steps the schedule inside backward.
+    handle = None
+    if config.layerwise:
+        handle = layerwise(
+            optimizer, config.accumulation, max_grad_norm=config.grad_clip or None, scheduler=schedule
+        )
+
     bar = _progress(progress, config.steps, start)
     tokens_per_step = config.batch_size * config.seq_len
     summary: dict[str, Any] = {"optimizer": config.optimizer, "interrupted": False}
@@ -240,17 +249,18 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
         for step in range(start + 1, config.steps + 1):
             began = time.perf_counter()
             loss = 0.0
+            lr = schedule.get_last_lr()[0]
             for _ in range(config.accumulation):
                 batch = batches.take(config.micro_batch_size or config.batch_size).to(device)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
                     micro_loss = model(input_ids=batch, labels=batch).loss / config.accumulation
                 micro_loss.backward()
                 loss += micro_loss.item()
-            if config.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            lr = schedule.get_last_lr()[0]
-            optimizer.step()
-            schedule.step()
+            if handle is None:
+                if config.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+                optimizer.step()
+                schedule.step()
             memory = memory_bytes(model, optimizer, device)
             optimizer.zero_grad(set_to_none=True)
             record = {
@@ -279,6 +289,8 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
                 save(step)
         else:
             save(config.steps)
+    if handle is not None:
+        handle.remove()
     bar.close()
     history = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     evaluations = [r for r in history if "val_loss" in r]

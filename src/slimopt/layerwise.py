@@ -1,0 +1,205 @@
+"""Layer-wise updates: each parameter steps inside backward and its gradient is freed at once.
+
+``layerwise(optimizer, accumulation_steps=k)`` registers a post-accumulate-grad hook on every
+parameter of a slimopt optimizer; afterwards the training loop only calls ``loss.backward()``
+(once per micro-batch) and the handle does the rest, so the gradients of the whole model never
+exist at the same time:
+
+- **Accumulation.** A projected matrix whose basis is fixed for this optimizer step projects
+  each micro-batch's gradient into its r×n space, adds it to an fp32 buffer of that size and
+  frees the gradient; it is updated on the k-th micro-batch. A parameter that needs its whole
+  gradient this step (not projected, or projected with its basis refreshed from this step's
+  gradient, as the stepping optimizer does) lets autograd accumulate ``.grad`` as usual and is
+  updated, and its gradient freed, on the k-th micro-batch. With ``stagger`` (the default) only
+  about 1/T of the projected matrices refresh in any one step; the exception is the first step,
+  where every matrix finds its first basis.
+- **Clipping** (``max_grad_norm``): the global norm is not known until backward ends, after the
+  updates are made, so each tensor is clipped on its own: the gradient the update rule sees (the
+  accumulated one; for a projected matrix its projection, whose norm is at most the full
+  gradient's) is scaled to a norm of at most ``max_grad_norm``, as
+  ``torch.nn.utils.clip_grad_norm_([p], max_grad_norm)`` would do to that tensor alone.
+- **Schedule.** A learning-rate ``scheduler`` given to the handle is stepped once per optimizer
+  step, at the end of the k-th backward.
+- **Checkpoints** use the optimizer's normal ``state_dict`` between optimizer steps; asking for
+  it halfway through an accumulation raises instead of losing the partial sums.
+
+Under a multi-process ``torch.distributed`` run a hook sees the local, not yet averaged gradient,
+so layer-wise mode refuses to start there.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slimopt.optimizer import GaLoreOptimizer
+from slimopt.projection import project
+
+
+class LayerwiseHandle:
+    """The hooks of one layer-wise optimizer; ``remove()`` (or leaving a ``with`` block)
+    restores normal stepping with ``optimizer.step()``."""
+
+    def __init__(
+        self,
+        optimizer: GaLoreOptimizer,
+        accumulation_steps: int,
+        max_grad_norm: float | None,
+        scheduler: Any,
+    ) -> None:
+        self.optimizer = optimizer
+        self.accumulation_steps = accumulation_steps
+        self.max_grad_norm = max_grad_norm
+        self.scheduler = scheduler
+        self.micro_step = 0  # index of the current micro-batch within its optimizer step
+        self.optimizer_steps = 0  # optimizer steps completed under this handle
+        self._groups = {p: g for g in optimizer.param_groups for p in g["params"]}
+        self._buffers: dict[Tensor, Tensor] = {}  # projected matrices: summed r×n gradients
+        self._accumulating: set[Tensor] = set()  # whole-gradient parameters not yet updated
+        self._callback_queued = False
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._groups if p.requires_grad
+        ]
+        optimizer._layerwise = self
+
+    @property
+    def pending(self) -> bool:
+        """Whether an optimizer step is half accumulated (some micro-batches seen, not all)."""
+        return bool(self._buffers or self._accumulating)
+
+    @property
+    def accumulation_buffers(self) -> dict[Tensor, Tensor]:
+        """The projected-gradient sums of the current optimizer step, by parameter."""
+        return dict(self._buffers)
+
+    def remove(self) -> None:
+        """Remove the hooks; a half-accumulated step is dropped with a ``RuntimeWarning``."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.pending:
+            warnings.warn(
+                f"slimopt: layer-wise mode removed after {self.micro_step} of {self.accumulation_steps} "
+                "micro-batches; their gradients are dropped",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            for param in self._accumulating:
+                param.grad = None
+        self._buffers.clear()
+        self._accumulating.clear()
+        if getattr(self.optimizer, "_layerwise", None) is self:
+            self.optimizer._layerwise = None
+
+    def __enter__(self) -> LayerwiseHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def _on_gradient(self, param: Tensor) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        group = self._groups[param]
+        last = self.micro_step == self.accumulation_steps - 1
+        if param in self._buffers or not self.optimizer._needs_full_gradient(param, group):
+            self._accumulate_projected(param)
+            if last:
+                self._step_projected(param, group)
+        elif last:
+            self._step_whole(param, group)
+        else:
+            self._accumulating.add(param)
+
+    def _accumulate_projected(self, param: Tensor) -> None:
+        basis = self.optimizer._basis(param)
+        projected = project(param.grad.float().reshape(param.shape[0], -1), basis)
+        param.grad = None
+        buffer = self._buffers.get(param)
+        self._buffers[param] = projected if buffer is None else buffer.add_(projected)
+
+    def _step_projected(self, param: Tensor, group: dict[str, Any]) -> None:
+        grad = self._clip(self._buffers.pop(param))
+        self.optimizer._apply_update(param, group, grad, self.optimizer._basis(param))
+
+    def _step_whole(self, param: Tensor, group: dict[str, Any]) -> None:
+        self._accumulating.discard(param)
+        prepared = self.optimizer._gradient_in_space(param, group, param.grad)
+        param.grad = None
+        if prepared is not None:
+            grad, basis = prepared
+            self.optimizer._apply_update(param, group, self._clip(grad), basis)
+
+    def _clip(self, grad: Tensor) -> Tensor:
+        if self.max_grad_norm is None:
+            return grad
+        # No host synchronisation: the factor stays a tensor.
+        factor = (self.max_grad_norm / (grad.norm() + 1e-6)).clamp_(max=1.0)
+        return grad * factor
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if self.micro_step < self.accumulation_steps - 1:
+            self.micro_step += 1
+            return
+        # Parameters that got no gradient in the last micro-batch but did in earlier ones.
+        for param in list(self._buffers):
+            self._step_projected(param, self._groups[param])
+        for param in list(self._accumulating):
+            self._step_whole(param, self._groups[param])
+        self.micro_step = 0
+        self.optimizer_steps += 1
+        if self.scheduler is not None:
+            # Tell the scheduler the optimizer did step (it watches optimizer.step() for that).
+            self.optimizer._opt_called = True
+            self.scheduler.step()
+
+
+def layerwise(
+    optimizer: GaLoreOptimizer,
+    accumulation_steps: int = 1,
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: Any = None,
+) -> LayerwiseHandle:
+    """Switch a slimopt optimizer to layer-wise updates and return the handle.
+
+    ``accumulation_steps`` micro-batches (one ``loss.backward()`` each) make one optimizer step;
+    ``max_grad_norm`` clips each tensor's gradient (see the module docstring); ``scheduler``, an
+    ``LRScheduler`` of this optimizer, is stepped once per optimizer step. While the handle is
+    active ``optimizer.step()`` raises. Raises ``TypeError`` for an optimizer that is not
+    slimopt's or a scheduler that needs a metric, ``ValueError`` for a bad count, norm or
+    scheduler, and ``RuntimeError`` when the optimizer is already layer-wise or
+    ``torch.distributed`` runs more than one process.
+    """
+    if not isinstance(optimizer, GaLoreOptimizer):
+        raise TypeError(
+            f"layer-wise mode needs a slimopt optimizer (slimopt.available_optimizers()), "
+            f"got {type(optimizer).__name__}"
+        )
+    steps = accumulation_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise TypeError("ReduceLROnPlateau needs a metric: step it yourself, after evaluation")
+    if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
+        raise ValueError("scheduler must be a learning-rate scheduler of this optimizer")
+    if getattr(optimizer, "_layerwise", None) is not None:
+        raise RuntimeError("this optimizer is already in layer-wise mode; remove() the first handle")
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed and torch.distributed.get_world_size() > 1:
+        raise RuntimeError(
+            "layer-wise mode under torch.distributed would update from unaveraged local gradients; "
+            "run without layer-wise mode or with one process"
+        )
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.requires_grad and not param.is_leaf:
+                raise ValueError(f"parameter {tuple(param.shape)} is not a leaf tensor; hooks need leaves")
+    return LayerwiseHandle(optimizer, accumulation_steps, max_grad_norm, scheduler)
