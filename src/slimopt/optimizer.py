@@ -203,7 +203,10 @@ class GaLoreOptimizer(Optimizer):
         lr = self.rule.step_size(group, weights, age)
         if group["weight_decay"] != 0:
             weights.mul_(1 - lr * group["weight_decay"])
-        weights.add_(direction, alpha=-lr * scale)
+        if isinstance(lr, Tensor):  # a step size computed on the device, without a host sync
+            weights.sub_(direction.mul_(lr * scale))
+        else:
+            weights.add_(direction, alpha=-lr * scale)
         if weights is not param:
             param.copy_(weights)
 
@@ -317,7 +320,7 @@ class GaLoreOptimizer(Optimizer):
         if not any(codec.stochastic for codec in codecs):
             return None
         device = param.device if param is not None else _state_device(state)
-        generator = torch.Generator(device=device)
+        generator = torch.Generator(device="cpu" if device.type == "meta" else device)
         # Odd seeds: even ones (seed·1_000_003 + step) belong to the projection refresh.
         generator.manual_seed((state["seed"] * 1_000_003 + state["step"]) * 2 + 1)
         return generator
@@ -355,7 +358,10 @@ def _storage_errors(group: dict[str, Any]) -> list[str]:
 
 def _all_finite(tensor: Tensor) -> bool:
     """Whether every element is finite. A sum is finite only if all elements are, and costs a
-    fraction of ``isfinite().all()``; the exact test runs only when the sum overflows or is NaN."""
+    fraction of ``isfinite().all()``; the exact test runs only when the sum overflows or is NaN.
+    A meta tensor (the memory planner's dry run) has no values and counts as finite."""
+    if tensor.is_meta:
+        return True
     return bool(tensor.sum().isfinite()) or bool(torch.isfinite(tensor).all())
 
 

@@ -182,6 +182,8 @@ def _subspace_basis(
 
 
 def _gaussian(rows: int, cols: int, like: Tensor, generator: torch.Generator | None) -> Tensor:
+    if like.is_meta:  # the memory planner's dry run: shapes only
+        return like.new_empty(rows, cols)
     # Drawn on the CPU, so a given seed gives the same basis on every device.
     return torch.randn(rows, cols, dtype=like.dtype, generator=generator).to(like.device)
 

@@ -1,0 +1,373 @@
+"""The memory planner: will a training step fit on this card, and where do the bytes go?
+
+``plan_memory`` builds the model and the optimizer on the meta device (shapes and dtypes, no
+memory, no arithmetic) and runs two real optimizer steps of them — forward, backward, then the
+optimizer step or the layer-wise hooks — under ``slimopt.memory.LiveBytes``. Every tensor the
+real run creates is created here too, by the same code: weights, gradients, optimizer states,
+projection bases, accumulation buffers and the optimizer's temporaries are therefore exact.
+Activations are exact for the code that runs on the meta device; the one known difference from
+a GPU is attention, where the planner runs the flash-attention path that PyTorch takes on CPU and
+CUDA. ``measure_memory`` runs the same two steps for real on the CPU or a GPU (where it also
+reads ``torch.cuda.max_memory_allocated``), which is how the planner is checked.
+
+Two steps, because the first one differs: it creates the optimizer states and computes every
+projection basis; the second is a steady step (with ``stagger``, a few matrices refresh in it).
+The peak is the larger of the two.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from slimopt.layerwise import layerwise
+from slimopt.memory import LiveBytes, storage_nbytes
+from slimopt.registry import OPTIMIZERS, available_optimizers, build_optimizer, select_target_modules
+
+TERMS = (
+    "weights",
+    "gradients",
+    "optimizer_states",
+    "projection_bases",
+    "accumulation_buffers",
+    "activations",
+    "workspace",
+)
+PERSISTENT = ("weights", "optimizer_states", "projection_bases")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+BASIS_KEYS = ("basis_left", "basis_right")
+# What a CUDA process needs beyond its tensors: the context (~0.5 GiB on recent GPUs), cuBLAS
+# workspaces and the caching allocator's rounding and fragmentation.
+CUDA_OVERHEAD_BYTES = 1 << 30
+STEPS = 2
+
+
+@dataclass
+class MemoryPlan:
+    """A predicted (or measured) training step. Bytes throughout."""
+
+    setting: dict[str, Any]
+    parameters: int
+    peak_bytes: int
+    peak_at: str  # which step and phase holds the peak
+    at_peak: dict[str, int]  # each term of TERMS at the moment of the peak
+    persistent: dict[str, int]  # what outlives a step: weights, optimizer states, bases
+    refresh_workspace_bytes: int  # largest temporary of one projection refresh
+    update_workspace_bytes: int  # largest temporary of one parameter's update
+    step_peaks: list[int]
+    measured: bool = False
+    device: str = "meta"
+    cuda_max_memory_allocated: int | None = None
+    gpu_memory_bytes: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the peak plus CUDA's own overhead fits the card (None: no card given)."""
+        if self.gpu_memory_bytes is None:
+            return None
+        return self.peak_bytes + CUDA_OVERHEAD_BYTES <= self.gpu_memory_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything, as plain JSON-able values, with ``fits`` added."""
+        return {**asdict(self), "fits": self.fits}
+
+    def report(self) -> str:
+        """A human-readable breakdown and verdict."""
+        s = self.setting
+        lines = [
+            f"{s['model']} ({self.parameters / 1e9:.2f}B parameters, {s['dtype']} weights), "
+            f"optimizer {s['optimizer']}"
+            + (f" rank {s['rank']}" if s.get("rank") else "")
+            + (" layer-wise" if s["layerwise"] else "")
+            + f", {s['batch_size']}×{s['seq_len']} tokens × {s['accumulation_steps']} micro-batches"
+            + (", activation checkpointing" if s["checkpointing"] else ""),
+            f"{'measured' if self.measured else 'predicted'} peak: {_size(self.peak_bytes)} ({self.peak_at})",
+            "",
+            "at the peak:",
+        ]
+        lines += [f"  {term.replace('_', ' '):<22}{_size(self.at_peak[term]):>12}" for term in TERMS]
+        lines += [
+            "",
+            "between steps: "
+            + ", ".join(f"{k.replace('_', ' ')} {_size(v)}" for k, v in self.persistent.items()),
+            f"largest temporaries: projection refresh {_size(self.refresh_workspace_bytes)}, "
+            f"one parameter's update {_size(self.update_workspace_bytes)}",
+        ]
+        if self.cuda_max_memory_allocated is not None:
+            lines.append(f"torch.cuda.max_memory_allocated: {_size(self.cuda_max_memory_allocated)}")
+        if self.gpu_memory_bytes is not None:
+            verdict = "fits" if self.fits else "does not fit"
+            lines.append(
+                f"verdict: {verdict} on a {self.gpu_memory_bytes / 2**30:g} GiB card (needs "
+                f"{_size(self.peak_bytes + CUDA_OVERHEAD_BYTES)} with 1 GiB for the CUDA context and allocator)"
+            )
+        return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def plan_memory(
+    model: str,
+    optimizer: str,
+    *,
+    rank: int | None = None,
+    layerwise: bool = False,
+    batch_size: int = 1,
+    seq_len: int = 256,
+    accumulation_steps: int = 1,
+    checkpointing: bool = False,
+    dtype: str = "bf16",
+    vocab_size: int = 32000,
+    gpu_memory_gib: float | None = None,
+    **optimizer_options: Any,
+) -> MemoryPlan:
+    """Predict the memory of training ``model`` with ``optimizer`` (a registry name).
+
+    ``model`` is a LLaMA preset (``slimopt.train.models.LLAMA_PRESETS``) or a Hugging Face config
+    file or directory; ``dtype`` ("bf16" or "fp32") is the weights' dtype; ``batch_size`` sequences
+    of ``seq_len`` tokens per micro-batch, ``accumulation_steps`` micro-batches per step.
+    ``optimizer_options`` go to ``build_optimizer`` (``states``, ``update_proj_gap``, …).
+    Raises ``ValueError`` naming a bad model, optimizer, size, dtype or rank.
+    """
+    setting = _setting(locals())
+    return _run(setting, optimizer_options, torch.device("meta"))
+
+
+def measure_memory(
+    model: str,
+    optimizer: str,
+    *,
+    device: str = "cpu",
+    rank: int | None = None,
+    layerwise: bool = False,
+    batch_size: int = 1,
+    seq_len: int = 256,
+    accumulation_steps: int = 1,
+    checkpointing: bool = False,
+    dtype: str = "bf16",
+    vocab_size: int = 32000,
+    gpu_memory_gib: float | None = None,
+    **optimizer_options: Any,
+) -> MemoryPlan:
+    """Run the planner's two steps for real on ``device`` and report what they used.
+
+    Same arguments as :func:`plan_memory`. On CUDA ``cuda_max_memory_allocated`` holds the
+    allocator's own peak over the same steps.
+    """
+    setting = _setting({k: v for k, v in locals().items() if k != "device"})
+    return _run(setting, optimizer_options, torch.device(device))
+
+
+def _setting(arguments: dict[str, Any]) -> dict[str, Any]:
+    setting = {k: v for k, v in arguments.items() if k != "optimizer_options"}
+    model, name = setting["model"], setting["optimizer"]
+    from slimopt.train.models import LLAMA_PRESETS
+
+    if model not in LLAMA_PRESETS and not Path(model).exists():
+        raise ValueError(
+            f"unknown model {model!r}; valid: {', '.join(LLAMA_PRESETS)} or a Hugging Face config path"
+        )
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; available: {', '.join(available_optimizers())}")
+    for key in ("batch_size", "seq_len", "accumulation_steps", "vocab_size"):
+        value = setting[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{key.replace('_', ' ')} must be a positive integer, got {value!r}")
+    if setting["dtype"] not in DTYPES:
+        raise ValueError(f"unknown dtype {setting['dtype']!r}; valid: {', '.join(DTYPES)}")
+    gpu = setting["gpu_memory_gib"]
+    if gpu is not None and not gpu > 0:
+        raise ValueError(f"gpu memory must be a positive number of GiB, got {gpu!r}")
+    rank = setting["rank"]
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0):
+        raise ValueError(f"rank must be a positive integer, got {rank!r}")
+    return setting
+
+
+def _build_model(setting: dict[str, Any], device: torch.device) -> nn.Module:
+    from slimopt.train.models import LLAMA_PRESETS, build_llama
+
+    with torch.device(device):
+        if setting["model"] in LLAMA_PRESETS:
+            model = build_llama(setting["model"], setting["vocab_size"], max_seq_len=setting["seq_len"])
+        else:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(setting["model"])
+            config.vocab_size = setting["vocab_size"]
+            model = AutoModelForCausalLM.from_config(config)
+    model.to(DTYPES[setting["dtype"]])
+    if setting["checkpointing"]:
+        model.gradient_checkpointing_enable()
+    model.train()
+    return model
+
+
+def _check_rank(model: nn.Module, setting: dict[str, Any], options: dict[str, Any]) -> None:
+    rank = setting["rank"]
+    if rank is None or not OPTIMIZERS[setting["optimizer"]].projected:
+        return
+    modules = dict(model.named_modules())
+    for name in select_target_modules(model, options.get("target_modules")):
+        shape = modules[name].weight.shape
+        if rank > min(shape):
+            raise ValueError(
+                f"rank {rank} is larger than the matrix {name}.weight ({shape[0]}×{shape[1]}); "
+                f"valid ranks: 1 to {min(shape)}"
+            )
+
+
+def _run(setting: dict[str, Any], options: dict[str, Any], device: torch.device) -> MemoryPlan:
+    torch.manual_seed(0)
+    model = _build_model(setting, device)
+    _check_rank(model, setting, options)
+    projection = {"rank": setting["rank"]} if setting["rank"] is not None else {}
+    optimizer = build_optimizer(model, setting["optimizer"], lr=1e-3, **projection, **options)
+    k = setting["accumulation_steps"]
+    handle = layerwise(optimizer, k) if setting["layerwise"] else None
+    params = list(model.parameters())
+    weights = params + list(model.buffers())
+
+    def categorize() -> dict[str, int]:
+        """Bytes of each term among the storages live now."""
+        states = [(key, v) for s in optimizer.state.values() for key, v in s.items() if isinstance(v, Tensor)]
+        known = {
+            "weights": weights,
+            "gradients": [p.grad for p in params if p.grad is not None],
+            "optimizer_states": [v for key, v in states if key not in BASIS_KEYS],
+            "projection_bases": [v for key, v in states if key in BASIS_KEYS],
+            "accumulation_buffers": list(handle.accumulation_buffers.values()) if handle else [],
+        }
+        terms = {term: storage_nbytes(tensors) for term, tensors in known.items()}
+        by_tag = tracker.live_by_tag({id(t.untyped_storage()) for ts in known.values() for t in ts})
+        terms["activations"] = by_tag.pop("forward", 0)  # created in forward, not a known term
+        terms["workspace"] = sum(by_tag.values())
+        return terms
+
+    position = {"step": 1}
+    snapshot: dict[str, Any] = {}
+
+    def on_peak() -> None:
+        snapshot.update(terms=categorize(), step=position["step"], phase=tracker.tag)
+
+    tracker = LiveBytes(on_peak)
+    tracker.adopt(weights)
+    workspace = {"refresh": 0, "update": 0}
+    _watch(optimizer, "_refresh", tracker, workspace, "refresh")
+    _watch(optimizer, "_apply_update", tracker, workspace, "update")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        cuda_base = torch.cuda.memory_allocated(device) - storage_nbytes(weights)
+    step_peaks = []
+    with tracker, _FlashAttentionOnMeta(device):
+        for step in range(1, STEPS + 1):
+            position["step"] = step
+            for _ in range(k):
+                tracker.tag = "forward"
+                batch = torch.randint(0, setting["vocab_size"], (setting["batch_size"], setting["seq_len"]))
+                batch = batch.to(device)
+                loss = model(input_ids=batch, labels=batch).loss / k
+                tracker.tag = "backward"
+                loss.backward()
+                del loss, batch
+            if handle is None:
+                tracker.tag = "optimizer"
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            step_peaks.append(tracker.peak)
+    cuda_peak = None
+    if device.type == "cuda":
+        cuda_peak = torch.cuda.max_memory_allocated(device) - cuda_base
+    if handle is not None:
+        handle.remove()
+    between_steps = categorize()
+    phases = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step"}
+    if handle is not None:
+        phases["backward"] = "backward with layer-wise updates"
+    gpu = setting["gpu_memory_gib"]
+    return MemoryPlan(
+        setting={**setting, **options},
+        parameters=sum(p.numel() for p in params),
+        peak_bytes=tracker.peak,
+        peak_at=f"step {snapshot['step']}, {phases[snapshot['phase']]}",
+        at_peak={term: snapshot["terms"][term] for term in TERMS},
+        persistent={
+            term: between_steps[term] for term in ("weights", "optimizer_states", "projection_bases")
+        },
+        refresh_workspace_bytes=workspace["refresh"],
+        update_workspace_bytes=workspace["update"],
+        step_peaks=step_peaks,
+        measured=device.type != "meta",
+        device=str(device),
+        cuda_max_memory_allocated=cuda_peak,
+        gpu_memory_bytes=None if gpu is None else int(gpu * 2**30),
+    )
+
+
+def _watch(optimizer: Any, method: str, tracker: LiveBytes, record: dict[str, int], key: str) -> None:
+    """Record the largest temporary memory of any call of ``optimizer.<method>``."""
+    original: Callable[..., Any] = getattr(optimizer, method)
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        outer_window = tracker.window_peak
+        entry = tracker.reset_window()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            record[key] = max(record[key], tracker.window_peak - entry)
+            tracker.window_peak = max(outer_window, tracker.window_peak)
+
+    setattr(optimizer, method, watched)
+
+
+class _FlashAttentionOnMeta(TorchFunctionMode):
+    """On the meta device ``scaled_dot_product_attention`` falls back to the math path, which
+    saves the whole attention matrix; CPU and CUDA run a flash kernel that saves only the output
+    and the log-sum-exp. This mode sends unmasked meta calls to the flash kernel's meta version."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.enabled = device.type == "meta"
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.enabled or func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        return _flash_attention(*args, **kwargs)
+
+
+def _flash_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    if attn_mask is not None:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return flash(query, key, value, dropout_p, is_causal, scale=scale)[0]
+
+
+def plan_as_json(plan: MemoryPlan) -> str:
+    """The plan as indented JSON (``peak_bytes`` and every term in bytes)."""
+    return json.dumps(plan.to_dict(), indent=1, default=str)
