@@ -107,7 +107,7 @@ def test_projected_matrices_accumulate_in_rank_r_buffers(shakespeare_tokens):
         buffers = handle.accumulation_buffers
         assert set(buffers) == set(projected)
         for param, buffer in buffers.items():
-            basis = optimizer._basis(param)
+            basis = optimizer._basis(param, optimizer.param_groups[0])
             assert buffer.shape == projected_shape(param.shape, basis) and buffer.dtype == torch.float32
             assert min(buffer.shape) == 8 and param.grad is None
         unprojected = [p for g in optimizer.param_groups[1:] for p in g["params"]]

@@ -4,9 +4,11 @@
     slimopt train --resume runs/x
     slimopt compare --optimizers adamw,galore_adamw,galore_adamw8bit --steps 300
     slimopt compare --preset demo
+    slimopt memory --model llama_7b --optimizer galore_adamw8bit --rank 1024 --layerwise --gpu-memory 24
 
 Every user error (a bad flag value, path, preset, optimizer, checkpoint) ends with one line
-``slimopt: error: …`` and exit code 2, without a traceback.
+``slimopt: error: …`` and exit code 2, without a traceback. ``slimopt memory`` exits with 1 when
+the step does not fit the card given with ``--gpu-memory``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ OPTIMIZER_FLAGS: dict[str, type] = {
     "proj_type": str,
     "proj_method": str,
     "on_subspace_change": str,
+    "basis_states": str,
     "states": str,
     "block_size": int,
     "weight_decay": float,
@@ -112,7 +115,62 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--optimizers", help="comma-separated names; the first is the reference")
     compare.add_argument("--preset", choices=list(PRESETS), help="a ready-made comparison")
     _run_flags(compare)
+    memory = commands.add_parser("memory", help="predict (or measure) the memory of a training step")
+    _memory_flags(memory)
     return parser
+
+
+def _memory_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", required=True, help=f"preset ({', '.join(LLAMA_PRESETS)}) or a Hugging Face config path"
+    )
+    parser.add_argument("--optimizer", required=True, help=f"one of: {', '.join(available_optimizers())}")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per micro-batch (default 1)")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
+    parser.add_argument(
+        "--accumulation", type=int, default=1, help="micro-batches per optimizer step (default 1)"
+    )
+    parser.add_argument("--layerwise", action="store_true", help="layer-wise updates (slimopt.layerwise)")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    parser.add_argument("--dtype", default="bf16", help="weights dtype: bf16 (default) or fp32")
+    parser.add_argument("--vocab-size", type=int, default=32000, help="vocabulary (default 32000)")
+    parser.add_argument("--gpu-memory", type=float, help="the card's memory in GiB, for a verdict")
+    parser.add_argument(
+        "--json", action="store_true", help="print the plan as JSON (bytes, peak in peak_bytes)"
+    )
+    parser.add_argument(
+        "--measure", metavar="DEVICE", help="run the step for real on cpu or cuda instead of predicting it"
+    )
+    for name, kind in OPTIMIZER_FLAGS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"optimizer option {name}")
+
+
+def run_memory(args: argparse.Namespace) -> int:
+    """Print the plan; return 1 when it does not fit the given card."""
+    from slimopt.planner import measure_memory, plan_as_json, plan_memory
+
+    options = {k: getattr(args, k) for k in OPTIMIZER_FLAGS if getattr(args, k) is not None}
+    setting = {
+        "batch_size": args.batch,
+        "seq_len": args.seq,
+        "accumulation_steps": args.accumulation,
+        "layerwise": args.layerwise,
+        "checkpointing": args.checkpointing,
+        "dtype": args.dtype,
+        "vocab_size": args.vocab_size,
+        "gpu_memory_gib": args.gpu_memory,
+        **options,
+    }
+    if args.measure is not None:
+        if args.measure not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {args.measure!r} for --measure; valid: cpu, cuda")
+        if args.measure == "cuda" and not __import__("torch").cuda.is_available():
+            raise ValueError("--measure cuda: no CUDA device is available")
+        plan = measure_memory(args.model, args.optimizer, device=args.measure, **setting)
+    else:
+        plan = plan_memory(args.model, args.optimizer, **setting)
+    print(plan_as_json(plan) if args.json else plan.report())
+    return 1 if plan.fits is False else 0
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -140,7 +198,7 @@ def _read_config(path: str) -> dict[str, Any]:
 def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
     """Preset, then config file, then flags given on the command line (later ones win)."""
     options: dict[str, Any] = dict(PRESETS[args.preset]) if getattr(args, "preset", None) else {}
-    if args.config:
+    if getattr(args, "config", None):
         options |= _read_config(args.config)
     options |= {
         k: v for k, v in vars(args).items() if v is not None and k not in ("command", "config", "preset")
@@ -220,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             summary = run_train(options)
             return 130 if summary["interrupted"] else 0
+        if args.command == "memory":
+            return run_memory(args)
         run_compare(options)
         return 0
     except (ValueError, CorpusError, CheckpointError) as error:

@@ -107,7 +107,7 @@ class LayerwiseHandle:
         group = self._groups[param]
         last = self.micro_step == self.accumulation_steps - 1
         if param in self._buffers or not self.optimizer._needs_full_gradient(param, group):
-            self._accumulate_projected(param)
+            self._accumulate_projected(param, group)
             if last:
                 self._step_projected(param, group)
         elif last:
@@ -115,16 +115,16 @@ class LayerwiseHandle:
         else:
             self._accumulating.add(param)
 
-    def _accumulate_projected(self, param: Tensor) -> None:
-        basis = self.optimizer._basis(param)
-        projected = project(param.grad.float().reshape(param.shape[0], -1), basis)
+    def _accumulate_projected(self, param: Tensor, group: dict[str, Any]) -> None:
+        basis = self.optimizer._basis(param, group)
+        projected = project(param.grad.reshape(param.shape[0], -1), basis)
         param.grad = None
         buffer = self._buffers.get(param)
         self._buffers[param] = projected if buffer is None else buffer.add_(projected)
 
     def _step_projected(self, param: Tensor, group: dict[str, Any]) -> None:
         grad = self._clip(self._buffers.pop(param))
-        self.optimizer._apply_update(param, group, grad, self.optimizer._basis(param))
+        self.optimizer._apply_update(param, group, grad, self.optimizer._basis(param, group))
 
     def _step_whole(self, param: Tensor, group: dict[str, Any]) -> None:
         self._accumulating.discard(param)

@@ -82,17 +82,20 @@ class LiveBytes(TorchDispatchMode):
             self._track(tensor)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        result = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        # An output on an input's storage (a view, an in-place or out= result) is no allocation.
+        inputs = {id(v.untyped_storage()) for v in tree_flatten((args, kwargs))[0] if isinstance(v, Tensor)}
         for value in tree_flatten(result)[0]:
             if isinstance(value, Tensor):
-                self._track(value)
+                self._track(value, inputs)
         return result
 
-    def _track(self, tensor: Tensor) -> None:
+    def _track(self, tensor: Tensor, inputs: set[int] = frozenset()) -> None:
         storage = tensor.untyped_storage()
         key, size = id(storage), storage.nbytes()
         known = self._sizes.get(key)
-        if known == size:
+        if known == size or (known is None and key in inputs):
             return
         if known is None:
             weakref.finalize(storage, self._free, key)

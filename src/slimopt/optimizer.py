@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from slimopt.codecs import STATE_FORMATS, moment_codec, state_key
+from slimopt.codecs.rows import row_sliced_storage, row_slices, sliced
 from slimopt.projection import (
     PROJ_METHODS,
     PROJ_TYPES,
@@ -34,6 +35,9 @@ from slimopt.projection import sides as projection_sides
 from slimopt.rules import AdafactorRule, AdamWRule, UpdateRule
 
 SUBSPACE_POLICIES = ("keep", "reset", "rotate")
+# How a projection basis is stored: entries of orthonormal vectors lose little to 8 bits.
+BASIS_STATES = ("fp32", "bf16", "int8")
+BASIS_KEYS = ("basis_left", "basis_right")
 
 PROJECTION_DEFAULTS: dict[str, Any] = {
     "update_proj_gap": 200,
@@ -42,6 +46,7 @@ PROJECTION_DEFAULTS: dict[str, Any] = {
     "proj_method": "subspace",
     "on_subspace_change": "rotate",
     "stagger": True,
+    "basis_states": "fp32",
 }
 
 STORAGE_DEFAULTS: dict[str, Any] = {"states": "fp32", "block_size": None}
@@ -144,18 +149,43 @@ class GaLoreOptimizer(Optimizer):
         basis is refreshed from this step's gradient."""
         return not self._projects(param, group) or self._refresh_due(self.state[param], group)
 
-    def _basis(self, param: Tensor) -> Basis | None:
+    def _basis(self, param: Tensor, group: dict[str, Any]) -> Basis | None:
+        """The fp32 basis of a projected ``param`` (decoded from its storage), or None."""
         state = self.state[param]
-        basis = Basis(state.get("basis_left"), state.get("basis_right"))
-        return None if basis.left is None and basis.right is None else basis
+        factors = []
+        for key, shape in zip(BASIS_KEYS, self._basis_shapes(param, group), strict=True):
+            codec = moment_codec(group["basis_states"], "linear", shape)
+            stored = {part: state.get(state_key(key, part)) for part in codec.parts}
+            present = all(value is not None for value in stored.values())
+            factors.append(codec.decode(stored, shape) if present else None)
+        return None if factors == [None, None] else Basis(*factors)
+
+    @staticmethod
+    def _basis_shapes(param: Tensor, group: dict[str, Any]) -> tuple[torch.Size, torch.Size]:
+        rows, cols = _as_matrix(param).shape
+        rank = min(group["rank"], rows, cols)
+        return torch.Size((rows, rank)), torch.Size((rank, cols))
+
+    def _store_basis(self, param: Tensor, group: dict[str, Any], basis: Basis) -> None:
+        state = self.state[param]
+        generator = None
+        if group["basis_states"] == "bf16":  # stochastic rounding, seeded like the refresh
+            generator = torch.Generator(device="cpu" if param.is_meta else param.device)
+            generator.manual_seed(state["seed"] * 1_000_003 + state["step"])
+        for key, factor, shape in zip(BASIS_KEYS, basis, self._basis_shapes(param, group), strict=True):
+            if factor is not None:
+                codec = moment_codec(group["basis_states"], "linear", shape)
+                for part, stored in codec.encode(factor, generator).items():
+                    state[state_key(key, part)] = stored
 
     def _gradient_in_space(
         self, param: Tensor, group: dict[str, Any], grad: Tensor
     ) -> tuple[Tensor, Basis | None] | None:
-        """The fp32 gradient the rule sees and the basis it lives in (None: unprojected).
+        """The gradient the rule sees and the basis it lives in (None: unprojected).
 
-        Refreshes the basis of a projected matrix first when its refresh is due. Returns None
-        (the update is skipped) when no basis could be computed yet.
+        A projected gradient is fp32; an unprojected one keeps its dtype (the update converts
+        it a slice of rows at a time). Refreshes the basis of a projected matrix first when its
+        refresh is due. Returns None (the update is skipped) when no basis could be computed yet.
         """
         if grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
@@ -163,11 +193,11 @@ class GaLoreOptimizer(Optimizer):
         if not state:
             self._init_state(param, group, state)
         if not self._projects(param, group):
-            return grad.float(), None
-        grad = grad.float().reshape(param.shape[0], -1)
+            return grad, None
+        grad = grad.reshape(param.shape[0], -1)
         if self._refresh_due(state, group):
-            self._refresh(param, grad, state, group)
-        basis = self._basis(param)
+            self._refresh(param, grad.float(), state, group)
+        basis = self._basis(param, group)
         if basis is None:
             self._skip(param, state, "no projection basis could be computed yet")
             return None
@@ -176,39 +206,76 @@ class GaLoreOptimizer(Optimizer):
     def _apply_update(self, param: Tensor, group: dict[str, Any], grad: Tensor, basis: Basis | None) -> None:
         """Run the rule on ``grad`` (already in the basis' space) and update ``param``."""
         state = self.state[param]
-        projected = basis is not None
         if not _all_finite(grad):
             self._skip(param, state, "non-finite gradient")
             return
+        if basis is None and self.rule.elementwise and sliced(param.shape):
+            self._apply_by_row_slices(param, group, grad)
+            return
+        grad = grad.float()
         generator = self._rounding_generator(param, state, group, grad.shape)
         if "moment_step" not in state:
-            for key, value in self.rule.init_state(grad, group, projected=projected).items():
+            for key, value in self.rule.init_state(grad, group, projected=basis is not None).items():
                 if key in self.rule.moment_kinds:
                     self._encode(state, key, value, group, generator)
                 else:
                     state[key] = value
             state["moment_step"] = 0
-        state["step"] += 1
-        state["moment_step"] += 1
-        age = state["moment_step"]
+        age = self._advance(state)
         moments = self._decode_all(state, group, grad.shape)
         direction = self.rule.direction(grad, {**state, **moments}, age, group)
         for key, value in moments.items():
             self._encode(state, key, value, group, generator)
-        scale = 1.0
-        if basis is not None:
-            direction = project_back(direction, basis).view(param.shape)
-            scale = group["scale"]
-        weights = param if param.dtype == torch.float32 else param.float()
-        lr = self.rule.step_size(group, weights, age)
-        if group["weight_decay"] != 0:
-            weights.mul_(1 - lr * group["weight_decay"])
-        if isinstance(lr, Tensor):  # a step size computed on the device, without a host sync
-            weights.sub_(direction.mul_(lr * scale))
-        else:
-            weights.add_(direction, alpha=-lr * scale)
-        if weights is not param:
-            param.copy_(weights)
+        lr = self.rule.step_size(group, param, age)
+        weights = _as_matrix(param)
+        if basis is None:
+            _update_weights(weights, _as_matrix(direction), lr, 1.0, group["weight_decay"])
+            return
+        # Back-projected a slice of rows at a time: no full-size fp32 update of a large matrix.
+        for rows in row_slices(*weights.shape):
+            _update_weights(
+                weights[rows], project_back(direction, basis, rows), lr, group["scale"], group["weight_decay"]
+            )
+
+    def _apply_by_row_slices(self, param: Tensor, group: dict[str, Any], grad: Tensor) -> None:
+        """An elementwise rule on a large unprojected matrix, one slice of rows at a time; its
+        moments are stored by slices (``slimopt.codecs.rows``)."""
+        state = self.state[param]
+        weights, grad = _as_matrix(param), _as_matrix(grad)
+        storages = {
+            key: row_sliced_storage(group["states"], kind, *weights.shape, group["block_size"])
+            for key, kind in self.rule.moment_kinds.items()
+        }
+        first = "moment_step" not in state
+        if first:
+            for key, storage in storages.items():
+                for part, tensor in storage.allocate(param.device).items():
+                    state[state_key(key, part)] = tensor
+            state["moment_step"] = 0
+        stored = {
+            key: {part: state[state_key(key, part)] for part in storage.sizes}
+            for key, storage in storages.items()
+        }
+        generator = self._rounding_generator(param, state, group, grad.shape)
+        age = self._advance(state)
+        lr = self.rule.step_size(group, param, age)
+        for index, rows in enumerate(row_slices(*weights.shape)):
+            slice_grad = grad[rows].float()
+            if first:
+                moments = self.rule.init_state(slice_grad, group, projected=False)
+            else:
+                moments = {key: storage.decode(stored[key], index) for key, storage in storages.items()}
+            direction = self.rule.direction(slice_grad, moments, age, group)
+            for key, storage in storages.items():
+                storage.encode(stored[key], index, moments[key], generator)
+            _update_weights(weights[rows], direction, lr, 1.0, group["weight_decay"])
+
+    @staticmethod
+    def _advance(state: dict[str, Any]) -> int:
+        """Count one more step of ``state``; return the age of its moments."""
+        state["step"] += 1
+        state["moment_step"] += 1
+        return state["moment_step"]
 
     def _init_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
         ordinal, projected_ordinal, projected_count = self._param_ordinals()[param]
@@ -232,14 +299,14 @@ class GaLoreOptimizer(Optimizer):
 
     @staticmethod
     def _refresh_due(state: dict[str, Any], group: dict[str, Any]) -> bool:
-        if "basis_left" not in state and "basis_right" not in state:
+        if not any(key.split(".")[0] in BASIS_KEYS for key in state):
             return True
         return (state["step"] - state["refresh_offset"]) % group["update_proj_gap"] == 0
 
     def _refresh(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         """Replace the basis of ``param``; on failure keep the old one and warn."""
-        old = Basis(state.get("basis_left"), state.get("basis_right"))
-        has_old = old.left is not None or old.right is not None
+        old = self._basis(param, group)
+        has_old = old is not None
         if not _all_finite(grad):
             self._warn(param, state, "non-finite gradient at a projection refresh; keeping the old basis")
             return
@@ -265,9 +332,7 @@ class GaLoreOptimizer(Optimizer):
             return
         if has_old and "moment_step" in state:
             self._carry_moments(state, group, projected_shape(grad.shape, old), old, new)
-        for key, factor in (("basis_left", new.left), ("basis_right", new.right)):
-            if factor is not None:
-                state[key] = factor
+        self._store_basis(param, group, new)
 
     def _carry_moments(
         self, state: dict[str, Any], group: dict[str, Any], shape: torch.Size, old: Basis, new: Basis
@@ -338,6 +403,26 @@ class GaLoreOptimizer(Optimizer):
         )
 
 
+def _as_matrix(tensor: Tensor) -> Tensor:
+    """A 2-D view: ``shape[0] × rest`` (one row for a vector or a scalar)."""
+    return tensor.view(tensor.shape[0], -1) if tensor.dim() >= 2 else tensor.view(1, -1)
+
+
+def _update_weights(
+    weights: Tensor, direction: Tensor, lr: float | Tensor, scale: float, weight_decay: float
+) -> None:
+    """``w ← w·(1 − lr·wd) − lr·scale·direction`` in fp32, rounded once into ``weights``."""
+    target = weights if weights.dtype == torch.float32 else weights.float()
+    if weight_decay != 0:
+        target.mul_(1 - lr * weight_decay)
+    if isinstance(lr, Tensor):  # a step size computed on the device, without a host sync
+        target.sub_(direction.mul_(lr * scale))
+    else:
+        target.add_(direction, alpha=-lr * scale)
+    if target is not weights:
+        weights.copy_(target)
+
+
 def _state_device(state: dict[str, Any]) -> torch.device:
     return next(v.device for v in state.values() if isinstance(v, Tensor))
 
@@ -380,6 +465,7 @@ def _projection_errors(group: dict[str, Any]) -> list[str]:
         ("proj_type", PROJ_TYPES),
         ("proj_method", PROJ_METHODS),
         ("on_subspace_change", SUBSPACE_POLICIES),
+        ("basis_states", BASIS_STATES),
     ):
         if group[key] not in valid:
             errors.append(f"unknown {key} {group[key]!r}; valid: {', '.join(valid)}")
@@ -398,9 +484,10 @@ class GaLoreAdamW(GaLoreOptimizer):
     as keyword defaults here): ``rank``, ``update_proj_gap`` (200), ``scale`` (0.25),
     ``proj_type`` ({"std", "reverse_std", "left", "right", "full"}, "std"), ``proj_method``
     ({"subspace", "svd"}, "subspace"), ``on_subspace_change`` ({"keep", "reset", "rotate"},
-    "rotate") and ``stagger`` (True: spread refreshes over the gap). Storage options (per group
-    too): ``states`` ({"fp32", "bf16", "int8", "int4", "ternary"}) and ``block_size`` (a power of
-    two; None for the format's default).
+    "rotate"), ``stagger`` (True: spread refreshes over the gap) and ``basis_states`` ({"fp32",
+    "bf16", "int8"}, "fp32": how the basis is stored). Storage options (per group too):
+    ``states`` ({"fp32", "bf16", "int8", "int4", "ternary"}) and ``block_size`` (a power of two;
+    None for the format's default).
     """
 
     rule = AdamWRule()

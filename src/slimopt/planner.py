@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from slimopt.layerwise import layerwise
 from slimopt.memory import LiveBytes, storage_nbytes
+from slimopt.optimizer import BASIS_KEYS
 from slimopt.registry import OPTIMIZERS, available_optimizers, build_optimizer, select_target_modules
 
 TERMS = (
@@ -42,7 +43,6 @@ TERMS = (
 )
 PERSISTENT = ("weights", "optimizer_states", "projection_bases")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-BASIS_KEYS = ("basis_left", "basis_right")
 # What a CUDA process needs beyond its tensors: the context (~0.5 GiB on recent GPUs), cuBLAS
 # workspaces and the caching allocator's rounding and fragmentation.
 CUDA_OVERHEAD_BYTES = 1 << 30
@@ -106,8 +106,8 @@ class MemoryPlan:
         if self.gpu_memory_bytes is not None:
             verdict = "fits" if self.fits else "does not fit"
             lines.append(
-                f"verdict: {verdict} on a {self.gpu_memory_bytes / 2**30:g} GiB card (needs "
-                f"{_size(self.peak_bytes + CUDA_OVERHEAD_BYTES)} with 1 GiB for the CUDA context and allocator)"
+                f"verdict: {verdict} in {self.gpu_memory_bytes / 2**30:g} GiB (needs "
+                f"{_size(self.peak_bytes + CUDA_OVERHEAD_BYTES)} with 1 GiB for CUDA's context and allocator)"
             )
         return "\n".join(lines)
 
@@ -244,8 +244,8 @@ def _run(setting: dict[str, Any], options: dict[str, Any], device: torch.device)
         known = {
             "weights": weights,
             "gradients": [p.grad for p in params if p.grad is not None],
-            "optimizer_states": [v for key, v in states if key not in BASIS_KEYS],
-            "projection_bases": [v for key, v in states if key in BASIS_KEYS],
+            "optimizer_states": [v for key, v in states if key.split(".")[0] not in BASIS_KEYS],
+            "projection_bases": [v for key, v in states if key.split(".")[0] in BASIS_KEYS],
             "accumulation_buffers": list(handle.accumulation_buffers.values()) if handle else [],
         }
         terms = {term: storage_nbytes(tensors) for term, tensors in known.items()}
@@ -270,7 +270,7 @@ def _run(setting: dict[str, Any], options: dict[str, Any], device: torch.device)
         torch.cuda.reset_peak_memory_stats(device)
         cuda_base = torch.cuda.memory_allocated(device) - storage_nbytes(weights)
     step_peaks = []
-    with tracker, _FlashAttentionOnMeta(device):
+    with tracker, _MetaRun(device):
         for step in range(1, STEPS + 1):
             position["step"] = step
             for _ in range(k):
@@ -331,20 +331,37 @@ def _watch(optimizer: Any, method: str, tracker: LiveBytes, record: dict[str, in
     setattr(optimizer, method, watched)
 
 
-class _FlashAttentionOnMeta(TorchFunctionMode):
-    """On the meta device ``scaled_dot_product_attention`` falls back to the math path, which
-    saves the whole attention matrix; CPU and CUDA run a flash kernel that saves only the output
-    and the log-sum-exp. This mode sends unmasked meta calls to the flash kernel's meta version."""
+class _MetaRun(TorchFunctionMode):
+    """What the meta device needs to run a Hugging Face training step like a real device.
+
+    - ``scaled_dot_product_attention`` falls back to the math path on meta, which saves the whole
+      attention matrix; CPU and CUDA run a flash kernel that saves only the output and the
+      log-sum-exp. During a meta run the function is replaced by one that sends unmasked calls
+      to the flash kernel's meta version (replaced, not intercepted by this mode, because
+      activation checkpointing recomputes inside backward, where the mode is not active).
+    - A meta tensor has no values, so ``bool()`` of one cannot be known. The library's
+      data-dependent checks ask "is this input unusual?" (packed sequences, padding); the
+      planner's input is the usual kind, so they get True, the answer real data would give.
+    """
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.enabled = device.type == "meta"
+        self.attention = torch.nn.functional.scaled_dot_product_attention
+
+    def __enter__(self) -> _MetaRun:
+        if self.enabled:
+            torch.nn.functional.scaled_dot_product_attention = _flash_attention
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        torch.nn.functional.scaled_dot_product_attention = self.attention
+        super().__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if not self.enabled or func is not torch.nn.functional.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        return _flash_attention(*args, **kwargs)
+        if self.enabled and func is Tensor.__bool__ and args[0].is_meta:
+            return True
+        return func(*args, **(kwargs or {}))
 
 
 def _flash_attention(
@@ -357,8 +374,8 @@ def _flash_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> Tensor:
-    if attn_mask is not None:
-        return torch.nn.functional.scaled_dot_product_attention(
+    if attn_mask is not None or not query.is_meta:
+        return torch._C._nn.scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
         )
     if enable_gqa and key.shape[-3] != query.shape[-3]:

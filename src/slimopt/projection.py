@@ -25,6 +25,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from slimopt.codecs.rows import row_slices
+
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
 PROJ_METHODS = ("subspace", "svd")
 
@@ -74,21 +76,26 @@ def projected_shape(shape: tuple[int, int], basis: Basis) -> torch.Size:
 
 
 def project(grad: Tensor, basis: Basis) -> Tensor:
-    """Map a 2-D gradient into the projected space of ``basis``."""
+    """Map a 2-D gradient (any float dtype) into the fp32 projected space of ``basis``.
+
+    A large gradient is converted to fp32 a slice of rows at a time, so a bf16 gradient never
+    needs a full fp32 copy.
+    """
+    slices = row_slices(*grad.shape)
     if basis.left is not None:
-        grad = basis.left.T @ grad
-    if basis.right is not None:
-        grad = grad @ basis.right.T
-    return grad
+        # Uᵀ G is a sum over row slices of U and G.
+        projected = sum(basis.left[rows].T @ grad[rows].float() for rows in slices)
+        return projected @ basis.right.T if basis.right is not None else projected
+    parts = [grad[rows].float() @ basis.right.T for rows in slices]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def project_back(update: Tensor, basis: Basis) -> Tensor:
-    """Map an update from the projected space back to the parameter's 2-D shape."""
+def project_back(update: Tensor, basis: Basis, rows: slice = slice(None)) -> Tensor:
+    """Map an update from the projected space back to (``rows`` of) the parameter's 2-D shape."""
     if basis.left is not None:
-        update = basis.left @ update
-    if basis.right is not None:
-        update = update @ basis.right
-    return update
+        update = basis.left[rows] @ update
+        return update @ basis.right if basis.right is not None else update
+    return update[rows] @ basis.right
 
 
 def rotate(moment: Tensor, old: Basis, new: Basis, *, squared: bool) -> Tensor:

@@ -23,6 +23,9 @@ class UpdateRule(Protocol):
 
     # state key -> "linear" (first-moment-like) or "square" (second-moment-like)
     moment_kinds: dict[str, str]
+    # whether each element's update depends only on that element (then a large matrix may be
+    # updated a slice of rows at a time)
+    elementwise: bool
 
     def validate(self, group: dict[str, Any]) -> list[str]:
         """Return one message per invalid hyperparameter of ``group`` (empty when valid)."""

@@ -20,13 +20,14 @@ from torch import Tensor
 
 
 def _rms(tensor: Tensor) -> Tensor:
-    return tensor.norm(2) / math.sqrt(tensor.numel())
+    return torch.linalg.vector_norm(tensor, dtype=torch.float32) / math.sqrt(tensor.numel())
 
 
 class AdafactorRule:
     """Adafactor direction ``clip(g / √v̂)`` with optional momentum."""
 
     moment_kinds: ClassVar[dict[str, str]] = {"exp_avg": "linear", "exp_avg_sq": "square"}
+    elementwise: ClassVar[bool] = False  # factored statistics and RMS clipping span the tensor
 
     def validate(self, group: dict[str, Any]) -> list[str]:
         errors = []

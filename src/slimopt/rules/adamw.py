@@ -14,6 +14,7 @@ class AdamWRule:
     """Adam moments and direction ``m̂ / (√v̂ + eps)``."""
 
     moment_kinds: ClassVar[dict[str, str]] = {"exp_avg": "linear", "exp_avg_sq": "square"}
+    elementwise: ClassVar[bool] = True
 
     def validate(self, group: dict[str, Any]) -> list[str]:
         errors = []

@@ -1,0 +1,170 @@
+"""The memory planner against the same steps run for real, its exact terms against
+``state_nbytes``, the 7B verdicts, and ``slimopt memory``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import slimopt
+from slimopt.cli import main
+from slimopt.planner import TERMS, measure_memory, plan_memory
+
+# Terms made of tensors that outlive an operator: exact. Activations and workspace hold the
+# temporaries of individual kernels, where CPU and meta implementations may differ slightly.
+EXACT = ("weights", "gradients", "optimizer_states", "projection_bases", "accumulation_buffers")
+
+
+@pytest.fixture(scope="module")
+def gqa_config(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A Hugging Face config with grouped-query attention (2 key/value heads for 4 query heads)."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("gqa")
+    LlamaConfig(
+        hidden_size=128,
+        intermediate_size=344,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=3,
+    ).save_pretrained(path)
+    return str(path)
+
+
+CONFIGURATIONS = {
+    "adamw fp32": dict(model="llama_9m", optimizer="adamw", batch_size=4, seq_len=128, dtype="fp32"),
+    "galore 8-bit layer-wise": dict(
+        model="llama_9m", optimizer="galore_adamw8bit", rank=32, layerwise=True, batch_size=2, seq_len=128
+    ),
+    "galore ternary layer-wise, accumulation, int8 bases": dict(
+        model="llama_9m",
+        optimizer="galore_adamw_ternary",
+        rank=32,
+        layerwise=True,
+        accumulation_steps=2,
+        basis_states="int8",
+        batch_size=2,
+        seq_len=64,
+    ),
+    "4-bit with activation checkpointing": dict(
+        model="llama_20m", optimizer="adamw4bit", checkpointing=True, batch_size=2, seq_len=128
+    ),
+    "galore adamw accumulation": dict(
+        model="llama_20m", optimizer="galore_adamw", rank=64, accumulation_steps=2, batch_size=2, seq_len=64
+    ),
+    "gqa config, galore adafactor": dict(
+        model="gqa", optimizer="galore_adafactor", rank=16, batch_size=2, seq_len=96
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGURATIONS))
+def test_prediction_matches_the_same_steps_measured_on_cpu(name: str, gqa_config: str) -> None:
+    setting = dict(CONFIGURATIONS[name], vocab_size=4096)
+    if setting["model"] == "gqa":
+        setting["model"] = gqa_config
+    predicted, measured = plan_memory(**setting), measure_memory(**setting, device="cpu")
+    assert measured.measured and not predicted.measured
+    assert abs(predicted.peak_bytes - measured.peak_bytes) <= 0.10 * measured.peak_bytes
+    assert predicted.persistent == measured.persistent
+    for term in EXACT:
+        assert predicted.at_peak[term] == measured.at_peak[term], term
+    assert predicted.update_workspace_bytes == pytest.approx(measured.update_workspace_bytes, rel=0.01)
+    assert sum(predicted.at_peak[t] for t in TERMS) == predicted.peak_bytes
+    assert predicted.peak_at == measured.peak_at
+
+
+def test_state_terms_equal_state_nbytes_of_a_real_optimizer(shakespeare_tokens) -> None:
+    from slimopt.train.models import build_llama
+
+    plan = plan_memory(
+        "llama_9m", "galore_adamw8bit", rank=32, basis_states="bf16", vocab_size=4096, dtype="fp32"
+    )
+    torch.manual_seed(0)
+    model = build_llama("llama_9m", 4096, max_seq_len=256)
+    optimizer = slimopt.build_optimizer(model, "galore_adamw8bit", lr=1e-3, rank=32, basis_states="bf16")
+    batch = (shakespeare_tokens[:512] % 4096).view(2, 256)
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    assert plan.persistent["optimizer_states"] + plan.persistent["projection_bases"] == slimopt.state_nbytes(
+        optimizer
+    )
+    assert plan.persistent["weights"] == sum(t.numel() * t.element_size() for t in model.parameters()) + sum(
+        t.numel() * t.element_size() for t in model.buffers()
+    )
+
+
+def test_layerwise_frees_gradients_and_accumulates_rank_r() -> None:
+    common = dict(
+        model="llama_20m", optimizer="galore_adamw", rank=32, vocab_size=4096, batch_size=1, seq_len=32
+    )
+    stepping = plan_memory(**common, accumulation_steps=2)
+    layered = plan_memory(**common, accumulation_steps=2, layerwise=True)
+    assert layered.peak_bytes < stepping.peak_bytes
+    assert layered.at_peak["gradients"] < stepping.at_peak["gradients"]
+    # Micro-batch 1 of step 2 leaves r×n fp32 sums for every projected matrix (rank 32 of 256).
+    assert layered.at_peak["accumulation_buffers"] > 0
+
+
+def test_llama_7b_fits_16_gib_with_ternary_states_and_20_gib_with_int8() -> None:
+    ternary = plan_memory(
+        "llama_7b", "galore_adamw_ternary", rank=1024, layerwise=True, basis_states="int8", gpu_memory_gib=24
+    )
+    assert ternary.peak_bytes <= 16 * 2**30 and ternary.fits
+    assert ternary.parameters == pytest.approx(6.74e9, rel=0.01)
+    int8 = plan_memory("llama_7b", "galore_adamw8bit", rank=1024, layerwise=True, basis_states="int8")
+    assert int8.peak_bytes <= 20 * 2**30
+    assert int8.at_peak["gradients"] < 2**30  # layer-wise: no full set of gradients
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (dict(model="llama_3b", optimizer="adamw"), "unknown model 'llama_3b'; valid: llama_9m"),
+        (dict(model="llama_9m", optimizer="sgd"), "unknown optimizer 'sgd'; available: adamw"),
+        (
+            dict(model="llama_9m", optimizer="adamw", batch_size=0),
+            "batch size must be a positive integer, got 0",
+        ),
+        (dict(model="llama_9m", optimizer="adamw", seq_len=-1), "seq len must be a positive integer, got -1"),
+        (dict(model="llama_9m", optimizer="galore_adamw", rank=129), "rank 129 is larger than the matrix"),
+        (dict(model="llama_9m", optimizer="adamw", dtype="fp16"), "unknown dtype 'fp16'; valid: bf16, fp32"),
+    ],
+)
+def test_bad_input_is_a_clear_error(arguments: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        plan_memory(**arguments)
+
+
+def test_cli_prints_the_breakdown_and_a_verdict(capsys) -> None:
+    argv = ["memory", "--model", "llama_9m", "--optimizer", "galore_adamw8bit", "--rank", "32", "--layerwise"]
+    assert main([*argv, "--vocab-size", "4096", "--gpu-memory", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted peak" in out and "projection bases" in out and "verdict: fits in 24 GiB" in out
+    assert main([*argv, "--vocab-size", "4096", "--gpu-memory", "0.01"]) == 1
+    assert "does not fit" in capsys.readouterr().out
+    assert main([*argv, "--vocab-size", "4096", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert isinstance(plan["peak_bytes"], int) and set(plan["at_peak"]) == set(TERMS)
+    assert (
+        plan["peak_bytes"]
+        == plan_memory("llama_9m", "galore_adamw8bit", rank=32, layerwise=True, vocab_size=4096).peak_bytes
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--model", "gpt5", "--optimizer", "adamw"], "unknown model 'gpt5'"),
+        (["--model", "llama_9m", "--optimizer", "lion"], "unknown optimizer 'lion'"),
+        (["--model", "llama_9m", "--optimizer", "adamw", "--seq", "0"], "seq len must be a positive integer"),
+        (["--model", "llama_9m", "--optimizer", "galore_adamw", "--rank", "4096"], "rank 4096 is larger"),
+        (["--model", "llama_9m", "--optimizer", "adamw", "--measure", "tpu"], "unknown device 'tpu'"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(extra: list[str], message: str, capsys) -> None:
+    assert main(["memory", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("slimopt: error: ") and message in err[0]
