@@ -1,9 +1,12 @@
-"""Which moment policy converges best when the GaLore basis changes: keep, reset or rotate.
+"""How a projection option changes convergence: by default the moment policy when the GaLore
+basis changes (keep, reset or rotate); ``--option basis_states --values fp32 bf16 int8`` compares
+how the bases are stored.
 
-Trains a small byte-level LLaMA on tinyshakespeare with GaLoreAdamW for each policy and seed
-and prints the validation loss at the end (mean over the seeds) as a markdown table.
+Trains a small byte-level LLaMA on tinyshakespeare with GaLoreAdamW for each value and seed and
+prints the validation loss at the end (mean over the seeds) as a markdown table.
 
     python benchmarks/subspace_policy.py [--steps 400] [--seeds 0 1] [--corpus PATH]
+                                         [--option NAME --values A B …]
 """
 
 from __future__ import annotations
@@ -32,12 +35,10 @@ def validation_loss(model: torch.nn.Module, tokens: torch.Tensor, batches: int =
     return statistics.mean(losses)
 
 
-def run(policy: str, seed: int, steps: int, train: torch.Tensor, val: torch.Tensor) -> float:
+def run(option: dict[str, str], seed: int, steps: int, train: torch.Tensor, val: torch.Tensor) -> float:
     torch.manual_seed(seed)
     model = build_llama((128, 344, 4, 4), BYTE_VOCAB, max_seq_len=128)
-    optimizer = build_optimizer(
-        model, "galore_adamw", lr=1e-2, rank=16, update_proj_gap=50, on_subspace_change=policy
-    )
+    optimizer = build_optimizer(model, "galore_adamw", lr=1e-2, rank=16, update_proj_gap=50, **option)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / (steps // 10)))
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -55,18 +56,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument("--option", default="on_subspace_change", help="a GaLoreAdamW projection option")
+    parser.add_argument("--values", nargs="+", default=["keep", "reset", "rotate"])
     args = parser.parse_args()
     tokens = read_bytes(args.corpus)
     split = int(0.9 * tokens.numel())
     train, val = tokens[:split], tokens[split:]
-    print("| on_subspace_change | validation loss per seed | mean | seconds |")
+    print(f"| {args.option} | validation loss per seed | mean | seconds |")
     print("|---|---|---|---|")
-    for policy in ("keep", "reset", "rotate"):
+    for value in args.values:
         start = time.perf_counter()
-        losses = [run(policy, seed, args.steps, train, val) for seed in args.seeds]
+        losses = [run({args.option: value}, seed, args.steps, train, val) for seed in args.seeds]
         per_seed = ", ".join(f"{loss:.4f}" for loss in losses)
         elapsed = time.perf_counter() - start
-        print(f"| {policy} | {per_seed} | {statistics.mean(losses):.4f} | {elapsed:.0f} |", flush=True)
+        print(f"| {value} | {per_seed} | {statistics.mean(losses):.4f} | {elapsed:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

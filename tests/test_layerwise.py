@@ -183,19 +183,49 @@ def test_resume_from_state_dict_is_bit_exact(shakespeare_tokens):
     assert all(torch.equal(a, b.detach()) for a, b in zip(uninterrupted, model.parameters(), strict=True))
 
 
-def test_step_raises_while_layerwise_and_works_after_remove(shakespeare_tokens):
+def test_step_ends_a_partial_accumulation_and_is_a_no_op_at_a_boundary(shakespeare_tokens):
+    """As Trainer does at the end of an epoch: 3 micro-batches of an accumulation of 4, then
+    optimizer.step(), equal the stepping optimizer after those 3 backward passes."""
+    data = _batches(shakespeare_tokens, 3)
     model = tiny_llama()
-    optimizer = _optimizer(model, "galore_adamw")
-    handle = slimopt.layerwise(optimizer)
-    with pytest.raises(RuntimeError, match="layer-wise mode"):
-        optimizer.step()
+    optimizer = _optimizer(model, "adamw")
+    for batch in data:
+        _backward(model, batch, 4)
+    optimizer.step()
+    reference = [p.detach().clone() for p in model.parameters()]
+
+    model = tiny_llama()
+    optimizer = _optimizer(model, "adamw")
+    handle = slimopt.layerwise(optimizer, 4)
+    for batch in data:
+        _backward(model, batch, 4)
+    optimizer.step()
+    assert handle.optimizer_steps == 1 and handle.micro_step == 0 and not handle.pending
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference, strict=True))
+    optimizer.step()  # at a boundary: nothing happens
+    assert handle.optimizer_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference, strict=True))
+    with pytest.raises(RuntimeError, match="closure"):
+        optimizer.step(lambda: 0.0)
     with pytest.raises(RuntimeError, match="already in layer-wise mode"):
         slimopt.layerwise(optimizer)
     handle.remove()
-    batch = _batches(shakespeare_tokens, 1)[0]
-    _backward(model, batch, 1)
+    _backward(model, data[0], 1)
     assert all(p.grad is not None for p in model.parameters())
     optimizer.step()
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), reference, strict=True))
+
+
+def test_last_grad_norm_is_the_global_norm_before_clipping(shakespeare_tokens):
+    model = tiny_llama()
+    batch = _batches(shakespeare_tokens, 1)[0]
+    _backward(model, batch, 1)
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    model.zero_grad()
+    optimizer = _optimizer(model, "adamw")
+    with slimopt.layerwise(optimizer, max_grad_norm=1e-3) as handle:
+        _backward(model, batch, 1)
+        assert float(handle.last_grad_norm) == pytest.approx(float(expected), rel=1e-5)
 
 
 def test_remove_mid_accumulation_warns_and_drops(shakespeare_tokens):

@@ -20,6 +20,9 @@ exist at the same time:
   ``torch.nn.utils.clip_grad_norm_([p], max_grad_norm)`` would do to that tensor alone.
 - **Schedule.** A learning-rate ``scheduler`` given to the handle is stepped once per optimizer
   step, at the end of the k-th backward.
+- **optimizer.step()** is not needed; called anyway it ends the current optimizer step early
+  (``finish_step``) and does nothing at a step boundary, so loops and trainers that call it keep
+  their meaning. A closure cannot be honoured and raises.
 - **Checkpoints** use the optimizer's normal ``state_dict`` between optimizer steps; asking for
   it halfway through an accumulation raises instead of losing the partial sums.
 
@@ -60,6 +63,9 @@ class LayerwiseHandle:
         self._buffers: dict[Tensor, Tensor] = {}  # projected matrices: summed r×n gradients
         self._accumulating: set[Tensor] = set()  # whole-gradient parameters not yet updated
         self._callback_queued = False
+        self._norms: list[Tensor] = []  # pre-clip norms of this step's updated tensors
+        # Global norm of the gradients the rules saw in the last step, before clipping.
+        self.last_grad_norm: Tensor | None = None
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._groups if p.requires_grad
         ]
@@ -135,10 +141,12 @@ class LayerwiseHandle:
             self.optimizer._apply_update(param, group, self._clip(grad), basis)
 
     def _clip(self, grad: Tensor) -> Tensor:
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        self._norms.append(norm)
         if self.max_grad_norm is None:
             return grad
         # No host synchronisation: the factor stays a tensor.
-        factor = (self.max_grad_norm / (grad.norm() + 1e-6)).clamp_(max=1.0)
+        factor = (self.max_grad_norm / (norm + 1e-6)).clamp_(max=1.0)
         return grad * factor
 
     def _end_of_backward(self) -> None:
@@ -146,6 +154,16 @@ class LayerwiseHandle:
         if self.micro_step < self.accumulation_steps - 1:
             self.micro_step += 1
             return
+        self._complete_step()
+
+    def finish_step(self) -> None:
+        """End the current optimizer step now: update every parameter with the micro-batches
+        accumulated so far (Hugging Face's Trainer does this at the end of an epoch whose length
+        is not a multiple of the accumulation). At a step boundary it does nothing."""
+        if self.pending:
+            self._complete_step()
+
+    def _complete_step(self) -> None:
         # Parameters that got no gradient in the last micro-batch but did in earlier ones.
         for param in list(self._buffers):
             self._step_projected(param, self._groups[param])
@@ -153,6 +171,9 @@ class LayerwiseHandle:
             self._step_whole(param, self._groups[param])
         self.micro_step = 0
         self.optimizer_steps += 1
+        norms = self._norms
+        self._norms = []
+        self.last_grad_norm = torch.stack(norms).square().sum().sqrt() if norms else None
         if self.scheduler is not None:
             # Tell the scheduler the optimizer did step (it watches optimizer.step() for that).
             self.optimizer._opt_called = True
@@ -171,10 +192,10 @@ def layerwise(
     ``accumulation_steps`` micro-batches (one ``loss.backward()`` each) make one optimizer step;
     ``max_grad_norm`` clips each tensor's gradient (see the module docstring); ``scheduler``, an
     ``LRScheduler`` of this optimizer, is stepped once per optimizer step. While the handle is
-    active ``optimizer.step()`` raises. Raises ``TypeError`` for an optimizer that is not
-    slimopt's or a scheduler that needs a metric, ``ValueError`` for a bad count, norm or
-    scheduler, and ``RuntimeError`` when the optimizer is already layer-wise or
-    ``torch.distributed`` runs more than one process.
+    active ``optimizer.step()`` only ends a half-accumulated step early. Raises ``TypeError``
+    for an optimizer that is not slimopt's or a scheduler that needs a metric, ``ValueError``
+    for a bad count, norm or scheduler, and ``RuntimeError`` when the optimizer is already
+    layer-wise or ``torch.distributed`` runs more than one process.
     """
     if not isinstance(optimizer, GaLoreOptimizer):
         raise TypeError(

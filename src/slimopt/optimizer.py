@@ -93,12 +93,19 @@ class GaLoreOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Take one optimization step; ``closure`` re-evaluates the loss and returns it."""
-        if getattr(self, "_layerwise", None) is not None:
-            raise RuntimeError(
-                "this optimizer is in layer-wise mode: its updates run inside backward, so drop "
-                "optimizer.step() (and any closure) from the loop, or call handle.remove() first"
-            )
+        """Take one optimization step; ``closure`` re-evaluates the loss and returns it.
+
+        In layer-wise mode the updates run inside backward: this only ends a half-accumulated
+        optimizer step early (see ``slimopt.layerwise``); a closure raises ``RuntimeError``."""
+        handle = getattr(self, "_layerwise", None)
+        if handle is not None:
+            if closure is not None:
+                raise RuntimeError(
+                    "this optimizer is in layer-wise mode: its updates run inside backward, so a "
+                    "closure cannot be re-evaluated; call handle.remove() first"
+                )
+            handle.finish_step()
+            return None
         loss = None
         if closure is not None:
             with torch.enable_grad():

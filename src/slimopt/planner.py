@@ -195,7 +195,7 @@ def _setting(arguments: dict[str, Any]) -> dict[str, Any]:
 
 
 def _build_model(setting: dict[str, Any], device: torch.device) -> nn.Module:
-    from slimopt.train.models import LLAMA_PRESETS, build_llama
+    from slimopt.train.models import LLAMA_PRESETS, build_llama, enable_checkpointing
 
     with torch.device(device):
         if setting["model"] in LLAMA_PRESETS:
@@ -208,7 +208,7 @@ def _build_model(setting: dict[str, Any], device: torch.device) -> nn.Module:
             model = AutoModelForCausalLM.from_config(config)
     model.to(DTYPES[setting["dtype"]])
     if setting["checkpointing"]:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     model.train()
     return model
 

@@ -25,7 +25,7 @@ from slimopt.memory import state_nbytes
 from slimopt.registry import build_optimizer
 from slimopt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from slimopt.train.corpus import load_corpus, split_documents
-from slimopt.train.models import build_llama
+from slimopt.train.models import build_llama, enable_checkpointing
 from slimopt.train.tokenizer import (
     TextTokenizer,
     bpe_tokenizer,
@@ -141,7 +141,7 @@ def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
     else:
         model = build_llama(config.model, vocab_size, max_seq_len=config.seq_len)
     if config.checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     return model
 
 

@@ -44,3 +44,11 @@ def build_llama(
         **config,
     )
     return LlamaForCausalLM(llama_config)
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Turn on activation checkpointing of a Hugging Face model (and off its KV cache, which
+    checkpointed training cannot use), with the API of the installed transformers."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    model.config.use_cache = False

@@ -1,0 +1,134 @@
+"""The memory planner's predictions beside measured peaks, and the LLaMA-7B goal.
+
+    python -m benchmarks.memory_planner                    # CPU: small models, exact live bytes
+    python -m benchmarks.memory_planner --device cuda --llama-7b   # GPU: the 7B configurations
+
+On the CPU the measured peak is the high-water mark of live tensor bytes of the same two training
+steps the planner runs on the meta device. On CUDA it is ``torch.cuda.max_memory_allocated`` over
+those steps; the script then trains the same configuration without any tracking for a few steps
+to time the first step (which computes every projection basis) and the steady ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+
+from slimopt import build_optimizer, layerwise, state_nbytes
+from slimopt.planner import measure_memory, plan_memory
+from slimopt.train.models import build_llama, enable_checkpointing
+
+GIB = 2**30
+
+SMALL: dict[str, dict[str, Any]] = {
+    "llama_20m adamw fp32, 8×256": dict(
+        model="llama_20m", optimizer="adamw", batch_size=8, seq_len=256, dtype="fp32"
+    ),
+    "llama_20m galore_adamw8bit r64 layer-wise, 4×256": dict(
+        model="llama_20m", optimizer="galore_adamw8bit", rank=64, layerwise=True, batch_size=4, seq_len=256
+    ),
+    "llama_35m galore_adamw_ternary r96 layer-wise ×2 accumulation, int8 bases": dict(
+        model="llama_35m",
+        optimizer="galore_adamw_ternary",
+        rank=96,
+        layerwise=True,
+        accumulation_steps=2,
+        basis_states="int8",
+        batch_size=2,
+        seq_len=256,
+    ),
+    "llama_35m adamw4bit, checkpointing, 4×256": dict(
+        model="llama_35m", optimizer="adamw4bit", checkpointing=True, batch_size=4, seq_len=256
+    ),
+    "llama_60m galore_adamw r128 ×2 accumulation, fp32, 2×256": dict(
+        model="llama_60m",
+        optimizer="galore_adamw",
+        rank=128,
+        accumulation_steps=2,
+        batch_size=2,
+        seq_len=256,
+        dtype="fp32",
+    ),
+    "llama_60m galore_adafactor r128 layer-wise, 4×256": dict(
+        model="llama_60m", optimizer="galore_adafactor", rank=128, layerwise=True, batch_size=4, seq_len=256
+    ),
+}
+
+# The issue's goal: LLaMA-7B, bf16 weights, 1×256 tokens, layer-wise, GaLore rank 1024, T = 500.
+LLAMA_7B: dict[str, dict[str, Any]] = {
+    "ternary states, int8 bases": dict(optimizer="galore_adamw_ternary", basis_states="int8"),
+    "ternary states, int8 bases, checkpointing": dict(
+        optimizer="galore_adamw_ternary", basis_states="int8", checkpointing=True
+    ),
+    "int8 states, int8 bases": dict(optimizer="galore_adamw8bit", basis_states="int8"),
+    "int8 states, fp32 bases": dict(optimizer="galore_adamw8bit"),
+}
+LLAMA_7B_COMMON = dict(
+    model="llama_7b", rank=1024, layerwise=True, batch_size=1, seq_len=256, update_proj_gap=500
+)
+
+
+def timed_steps(setting: dict[str, Any], device: torch.device, steps: int) -> tuple[float, float, int]:
+    """First-step and mean steady-step seconds of a plain layer-wise loop, and the state bytes."""
+    options = {k: v for k, v in setting.items() if k in ("rank", "basis_states", "update_proj_gap")}
+    with torch.device(device):
+        model = build_llama(setting["model"], 32000, max_seq_len=setting["seq_len"]).to(torch.bfloat16)
+    if setting.get("checkpointing"):
+        enable_checkpointing(model)
+    optimizer = build_optimizer(model, setting["optimizer"], lr=5e-3, **options)
+    handle = layerwise(optimizer)
+    times = []
+    for _ in range(steps):
+        batch = torch.randint(0, 32000, (setting["batch_size"], setting["seq_len"]), device=device)
+        began = time.perf_counter()
+        model(input_ids=batch, labels=batch).loss.backward()
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - began)
+    handle.remove()
+    return times[0], sum(times[1:]) / (len(times) - 1), state_nbytes(optimizer)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--llama-7b", action="store_true", help="the 7B configurations (needs a large GPU)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per 7B configuration")
+    args = parser.parse_args()
+    if args.llama_7b:
+        print(
+            "| LLaMA-7B, layer-wise, r1024 | predicted GiB | max_memory_allocated GiB | live bytes GiB "
+            "| state GiB | step s | first step s |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for name, extra in LLAMA_7B.items():
+            setting = {**LLAMA_7B_COMMON, **extra}
+            predicted = plan_memory(**setting)
+            measured = measure_memory(**setting, device=args.device)
+            cuda_peak = measured.cuda_max_memory_allocated
+            torch.cuda.empty_cache()
+            first, steady, state = timed_steps(setting, torch.device(args.device), args.steps)
+            torch.cuda.empty_cache()
+            print(
+                f"| {name} | {predicted.peak_bytes / GIB:.2f} | {cuda_peak / GIB:.2f} | "
+                f"{measured.peak_bytes / GIB:.2f} | {state / GIB:.2f} | {steady:.3f} | {first:.1f} |",
+                flush=True,
+            )
+        return
+    print("| configuration (vocab 32000) | predicted bytes | measured bytes | error | peak at |")
+    print("|---|---|---|---|---|")
+    for name, setting in SMALL.items():
+        predicted = plan_memory(**setting)
+        measured = measure_memory(**setting, device=args.device)
+        reference = measured.cuda_max_memory_allocated or measured.peak_bytes
+        error = (predicted.peak_bytes - reference) / reference
+        print(
+            f"| {name} | {predicted.peak_bytes:,} | {reference:,} | {error:+.4%} | {predicted.peak_at} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
