@@ -6,7 +6,7 @@ Trains a small byte-level LLaMA on tinyshakespeare with GaLoreAdamW for each val
 prints the validation loss at the end (mean over the seeds) as a markdown table.
 
     python benchmarks/subspace_policy.py [--steps 400] [--seeds 0 1] [--corpus PATH]
-                                         [--option NAME --values A B …]
+                                         [--option NAME --values A B …] [--dims 128 344 4 4] [--rank 16]
 """
 
 from __future__ import annotations
@@ -35,10 +35,12 @@ def validation_loss(model: torch.nn.Module, tokens: torch.Tensor, batches: int =
     return statistics.mean(losses)
 
 
-def run(option: dict[str, str], seed: int, steps: int, train: torch.Tensor, val: torch.Tensor) -> float:
+def run(
+    option: dict[str, str], seed: int, steps: int, train: torch.Tensor, val: torch.Tensor, dims, rank
+) -> float:
     torch.manual_seed(seed)
-    model = build_llama((128, 344, 4, 4), BYTE_VOCAB, max_seq_len=128)
-    optimizer = build_optimizer(model, "galore_adamw", lr=1e-2, rank=16, update_proj_gap=50, **option)
+    model = build_llama(tuple(dims), BYTE_VOCAB, max_seq_len=128)
+    optimizer = build_optimizer(model, "galore_adamw", lr=1e-2, rank=rank, update_proj_gap=50, **option)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / (steps // 10)))
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -58,6 +60,10 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     parser.add_argument("--option", default="on_subspace_change", help="a GaLoreAdamW projection option")
     parser.add_argument("--values", nargs="+", default=["keep", "reset", "rotate"])
+    parser.add_argument(
+        "--dims", type=int, nargs=4, default=[128, 344, 4, 4], help="hidden intermediate heads layers"
+    )
+    parser.add_argument("--rank", type=int, default=16)
     args = parser.parse_args()
     tokens = read_bytes(args.corpus)
     split = int(0.9 * tokens.numel())
@@ -66,7 +72,10 @@ def main() -> None:
     print("|---|---|---|---|")
     for value in args.values:
         start = time.perf_counter()
-        losses = [run({args.option: value}, seed, args.steps, train, val) for seed in args.seeds]
+        losses = [
+            run({args.option: value}, seed, args.steps, train, val, args.dims, args.rank)
+            for seed in args.seeds
+        ]
         per_seed = ", ".join(f"{loss:.4f}" for loss in losses)
         elapsed = time.perf_counter() - start
         print(f"| {value} | {per_seed} | {statistics.mean(losses):.4f} | {elapsed:.0f} |", flush=True)

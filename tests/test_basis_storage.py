@@ -58,10 +58,22 @@ def test_stored_bases_stay_nearly_orthonormal(basis_states: str) -> None:
 
 @pytest.mark.parametrize("basis_states", ["bf16", "int8"])
 def test_compressed_bases_train_as_well_as_fp32(shakespeare_tokens: torch.Tensor, basis_states: str) -> None:
-    options = {"lr": 1e-2, "rank": 16, "update_proj_gap": 20, "steps": 60}
+    # Hidden size 256 and rank 32: every basis has 8192 entries, above the size below which
+    # states stay fp32, so the bases really are compressed.
+    options = {"lr": 1e-2, "rank": 32, "update_proj_gap": 20, "steps": 60, "dims": (256, 688, 4, 2)}
     reference = final_training_loss(shakespeare_tokens, "galore_adamw", **options)
     compressed = final_training_loss(shakespeare_tokens, "galore_adamw", basis_states=basis_states, **options)
     assert compressed <= 1.02 * reference
+
+
+def test_small_bases_stay_fp32_and_large_ones_are_compressed() -> None:
+    small, optimizer = _optimizer("int8", shape=(64, 512), rank=16)  # 64×16 = 1024 entries
+    _run(small, optimizer, 1)
+    assert optimizer.state[small]["basis_left"].dtype == torch.float32
+    large, optimizer = _optimizer("int8")  # 128×32 = 4096 entries
+    _run(large, optimizer, 1)
+    assert optimizer.state[large]["basis_left.codes"].dtype == torch.uint8
+    assert "basis_left" not in optimizer.state[large]
 
 
 @pytest.mark.parametrize("basis_states", ["bf16", "int8"])

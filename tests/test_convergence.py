@@ -11,9 +11,12 @@ from slimopt.train.data import sample_batch
 from .conftest import tiny_llama
 
 
-def final_training_loss(tokens: torch.Tensor, name: str, steps: int = 100, **options) -> float:
-    """Mean training loss of the last 10 of ``steps`` steps; ``name`` is a slimopt name or "torch_adamw"."""
-    model = tiny_llama(0)
+def final_training_loss(
+    tokens: torch.Tensor, name: str, steps: int = 100, dims: tuple[int, int, int, int] | None = None, **options
+) -> float:
+    """Mean training loss of the last 10 of ``steps`` steps; ``name`` is a slimopt name or
+    "torch_adamw"; ``dims`` overrides the tiny LLaMA's (hidden, intermediate, heads, layers)."""
+    model = tiny_llama(0) if dims is None else tiny_llama(0, dims)
     if name == "torch_adamw":
         optimizer = torch.optim.AdamW(model.parameters(), **options)
     else:

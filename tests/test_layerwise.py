@@ -254,3 +254,17 @@ def test_bad_input_fails_at_construction():
     with pytest.raises(TypeError, match="ReduceLROnPlateau"):
         slimopt.layerwise(optimizer, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer))
     assert optimizer._layerwise is None
+
+
+def test_groups_replaced_by_load_state_dict_are_the_ones_used(shakespeare_tokens):
+    """accelerate.prepare and a resume call load_state_dict after the hooks exist; the updates
+    must then read the new groups (their learning rate), not the replaced ones."""
+    model = tiny_llama()
+    optimizer = _optimizer(model, "adamw")
+    start = [p.detach().clone() for p in model.parameters()]
+    with slimopt.layerwise(optimizer):
+        state = optimizer.state_dict()
+        state["param_groups"] = [{**g, "lr": 0.0} for g in state["param_groups"]]
+        optimizer.load_state_dict(state)
+        _backward(model, _batches(shakespeare_tokens, 1)[0], 1)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), start, strict=True))

@@ -20,20 +20,13 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from slimopt.registry import OPTIMIZERS, available_optimizers
+from slimopt.registry import OPTIMIZERS, OPTION_TYPES, available_optimizers
 from slimopt.train.models import LLAMA_PRESETS
 
-# Flags that configure the optimizer rather than the run, with their types.
+# Flags that configure the optimizer rather than the run, with their types (``stagger``, a
+# boolean that is on by default, is left to config files and the Python API).
 OPTIMIZER_FLAGS: dict[str, type] = {
-    "rank": int,
-    "update_proj_gap": int,
-    "scale": float,
-    "proj_type": str,
-    "proj_method": str,
-    "on_subspace_change": str,
-    "basis_states": str,
-    "states": str,
-    "block_size": int,
+    **{name: kind for name, kind in OPTION_TYPES.items() if kind is not bool},
     "weight_decay": float,
 }
 

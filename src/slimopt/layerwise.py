@@ -59,7 +59,7 @@ class LayerwiseHandle:
         self.scheduler = scheduler
         self.micro_step = 0  # index of the current micro-batch within its optimizer step
         self.optimizer_steps = 0  # optimizer steps completed under this handle
-        self._groups = {p: g for g in optimizer.param_groups for p in g["params"]}
+        self._groups = self._group_map()
         self._buffers: dict[Tensor, Tensor] = {}  # projected matrices: summed r×n gradients
         self._accumulating: set[Tensor] = set()  # whole-gradient parameters not yet updated
         self._callback_queued = False
@@ -70,6 +70,11 @@ class LayerwiseHandle:
             p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._groups if p.requires_grad
         ]
         optimizer._layerwise = self
+
+    def _group_map(self) -> dict[Tensor, dict[str, Any]]:
+        # Rebuilt at every backward: load_state_dict (accelerate.prepare, a resume) replaces the
+        # optimizer's group dicts, and a stale one would keep a stale learning rate.
+        return {p: g for g in self.optimizer.param_groups for p in g["params"]}
 
     @property
     def pending(self) -> bool:
@@ -110,6 +115,7 @@ class LayerwiseHandle:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
+            self._groups = self._group_map()
         group = self._groups[param]
         last = self.micro_step == self.accumulation_steps - 1
         if param in self._buffers or not self.optimizer._needs_full_gradient(param, group):
@@ -161,6 +167,7 @@ class LayerwiseHandle:
         accumulated so far (Hugging Face's Trainer does this at the end of an epoch whose length
         is not a multiple of the accumulation). At a step boundary it does nothing."""
         if self.pending:
+            self._groups = self._group_map()
             self._complete_step()
 
     def _complete_step(self) -> None:

@@ -25,6 +25,20 @@ from slimopt.optimizer import (
 
 DEFAULT_RANK = 128
 
+# Projection and storage options, with the type a text value (a flag, optim_args) is read as.
+OPTION_TYPES: dict[str, type] = {
+    "rank": int,
+    "update_proj_gap": int,
+    "scale": float,
+    "proj_type": str,
+    "proj_method": str,
+    "on_subspace_change": str,
+    "stagger": bool,
+    "basis_states": str,
+    "states": str,
+    "block_size": int,
+}
+
 
 @dataclass(frozen=True)
 class OptimizerSpec:

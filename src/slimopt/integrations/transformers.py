@@ -1,0 +1,148 @@
+"""Hugging Face ``Trainer`` support: ``SlimoptTrainer`` and ``create_optimizer``.
+
+Both read the usual ``TrainingArguments``: ``learning_rate``, ``weight_decay``, ``adam_beta1``,
+``adam_beta2``, ``adam_epsilon``, ``optim_target_modules`` (``"all-linear"``, a regex, or a list
+of names / substrings / regexes) and ``optim_args`` in Hugging Face's
+``"rank=128,update_proj_gap=200,scale=0.25,proj_type=std"`` format, which also takes slimopt's own
+keys (``states=int8``, ``basis_states=int8``, ``proj_method=svd`` …). A name ending in
+``_layerwise`` (``"galore_adamw8bit_layerwise"``, as in Hugging Face's ``optim``) trains with
+``slimopt.layerwise``: gradient accumulation, the logged learning rate and clipping
+(``max_grad_norm``, per tensor) all work, where Hugging Face's own layer-wise GaLore refuses
+accumulation and makes clipping a no-op.
+
+Unlike Hugging Face, an ``optim_target_modules`` that matches no module is an error, never a
+silently unprojected model; for a projecting optimizer without ``optim_target_modules`` the
+attention and MLP linear layers are projected (every linear layer but the output head).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from slimopt.layerwise import LayerwiseHandle, layerwise
+from slimopt.optimizer import GaLoreAdafactor, GaLoreOptimizer
+from slimopt.registry import OPTIMIZERS, OPTION_TYPES, available_optimizers, build_optimizer
+
+try:
+    from transformers import Trainer
+except ImportError as error:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "slimopt.integrations.transformers needs transformers: pip install 'slimopt[train]'"
+    ) from error
+
+LAYERWISE_SUFFIX = "_layerwise"
+
+
+def optimizer_names() -> list[str]:
+    """Every name ``SlimoptTrainer`` accepts: the registry's, and each with ``_layerwise``."""
+    return available_optimizers() + [name + LAYERWISE_SUFFIX for name in available_optimizers()]
+
+
+def split_name(name: str) -> tuple[str, bool]:
+    """(registry name, layer-wise?) of a ``SlimoptTrainer`` optimizer name; raises ``ValueError``."""
+    base, layer_wise = (
+        (name[: -len(LAYERWISE_SUFFIX)], True) if name.endswith(LAYERWISE_SUFFIX) else (name, False)
+    )
+    if base not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; available: {', '.join(optimizer_names())}")
+    return base, layer_wise
+
+
+def parse_optim_args(text: str | None) -> dict[str, Any]:
+    """Read ``"key=value,key=value"`` (``TrainingArguments.optim_args``) into typed options.
+
+    Raises ``ValueError`` naming an unknown key (with the valid ones) or a value of the wrong type.
+    """
+    options: dict[str, Any] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, separator, value = (part.strip() for part in item.partition("="))
+        if not separator or not value:
+            raise ValueError(f"optim_args item {item.strip()!r} is not key=value")
+        if key not in OPTION_TYPES:
+            raise ValueError(f"unknown optim_args key {key!r}; valid: {', '.join(OPTION_TYPES)}")
+        options[key] = _typed(key, value)
+    return options
+
+
+def _typed(key: str, value: str) -> Any:
+    kind = OPTION_TYPES[key]
+    if kind is bool:
+        lowered = value.lower()
+        if lowered not in ("true", "false", "1", "0"):
+            raise ValueError(f"optim_args {key}={value!r}: expected true or false")
+        return lowered in ("true", "1")
+    if key == "block_size" and value.lower() == "none":
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"optim_args {key}={value!r}: expected {kind.__name__}") from None
+
+
+def create_optimizer(model: nn.Module, args: Any, name: str) -> GaLoreOptimizer:
+    """The slimopt optimizer ``name`` for ``model``, configured from ``TrainingArguments`` ``args``.
+
+    ``name`` may carry the ``_layerwise`` suffix (the optimizer is the same; ``SlimoptTrainer``
+    adds the hooks). Raises ``ValueError`` for an unknown name, ``optim_args`` key or value, or an
+    ``optim_target_modules`` that matches nothing or is given to an optimizer that does not project.
+    """
+    base, _ = split_name(name)
+    options = parse_optim_args(getattr(args, "optim_args", None))
+    hyper: dict[str, Any] = {"weight_decay": args.weight_decay}
+    if issubclass(OPTIMIZERS[base].cls, GaLoreAdafactor):
+        # Hugging Face's optim="adafactor": the Trainer's learning rate and schedule, no relative step.
+        hyper |= {"scale_parameter": False, "relative_step": False, "warmup_init": False}
+    else:
+        hyper |= {"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+    rank = options.pop("rank", None)
+    return build_optimizer(
+        model,
+        base,
+        lr=args.learning_rate,
+        rank=rank,
+        target_modules=getattr(args, "optim_target_modules", None),
+        **options,
+        **hyper,
+    )
+
+
+class SlimoptTrainer(Trainer):
+    """``transformers.Trainer`` with a slimopt optimizer: ``SlimoptTrainer(model, args, ...,
+    optimizer_name="galore_adamw_ternary")``. Everything else is Trainer's."""
+
+    def __init__(self, *args: Any, optimizer_name: str = "galore_adamw", **kwargs: Any) -> None:
+        _, self.layerwise = split_name(optimizer_name)
+        self.optimizer_name = optimizer_name
+        self.layerwise_handle: LayerwiseHandle | None = None
+        super().__init__(*args, **kwargs)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> GaLoreOptimizer:
+        """Create the slimopt optimizer (once) and, for a ``_layerwise`` name, its hooks."""
+        if self.optimizer is None:
+            self.optimizer = create_optimizer(
+                self.model if model is None else model, self.args, self.optimizer_name
+            )
+            if self.layerwise:
+                self.layerwise_handle = layerwise(
+                    self.optimizer,
+                    self.args.gradient_accumulation_steps,
+                    max_grad_norm=self.args.max_grad_norm or None,
+                )
+        return self.optimizer
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        # Layer-wise: the hooks clipped each tensor already; report the step's global norm
+        # (ending a partial accumulation first, as the optimizer.step() that follows would).
+        if self.layerwise_handle is None:
+            return super()._clip_grad_norm(model)
+        self.layerwise_handle.finish_step()
+        return self.layerwise_handle.last_grad_norm
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        if self.layerwise_handle is None:
+            return super()._get_grad_norm(model, grad_norm)
+        return self._clip_grad_norm(model) if grad_norm is None else grad_norm

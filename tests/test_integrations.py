@@ -1,0 +1,197 @@
+"""Hugging Face Trainer, accelerate and PEFT with slimopt optimizers, on a tiny LLaMA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import slimopt
+from slimopt.integrations.transformers import SlimoptTrainer, create_optimizer, parse_optim_args
+
+from .conftest import tiny_llama
+
+transformers = pytest.importorskip("transformers")
+
+
+class ShakespeareRows(torch.utils.data.Dataset):
+    """Fixed windows of the byte-level corpus."""
+
+    def __init__(self, tokens: torch.Tensor, count: int = 64, seq: int = 32) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.rows = [tokens[s : s + seq] for s in torch.randint(0, len(tokens) - seq, (count,), generator=generator)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[index], "labels": self.rows[index]}
+
+
+def _args(out: Path, **overrides) -> transformers.TrainingArguments:
+    settings = dict(
+        output_dir=str(out),
+        max_steps=8,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        warmup_steps=2,
+        lr_scheduler_type="linear",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        optim_args="rank=8,update_proj_gap=4",
+    )
+    return transformers.TrainingArguments(**{**settings, **overrides})
+
+
+def _train(tokens, out, name, **overrides) -> SlimoptTrainer:
+    trainer = SlimoptTrainer(
+        model=tiny_llama(), args=_args(out, **overrides), train_dataset=ShakespeareRows(tokens), optimizer_name=name
+    )
+    trainer.train()
+    return trainer
+
+
+def _logged(trainer: SlimoptTrainer, key: str) -> list[float]:
+    return [record[key] for record in trainer.state.log_history if "loss" in record and key in record]
+
+
+@pytest.mark.parametrize("name", ["galore_adamw", "galore_adamw8bit", "galore_adamw_ternary"])
+def test_trainer_trains_with_slimopt_optimizers(shakespeare_tokens, tmp_path, name) -> None:
+    trainer = _train(shakespeare_tokens, tmp_path, name)
+    losses = _logged(trainer, "loss")
+    assert len(losses) == 8 and sum(losses[-3:]) / 3 < losses[0] - 0.5
+    assert type(trainer.optimizer.optimizer).__name__ in ("GaLoreAdamW", "GaLoreAdamW8bit", "AdamWTernary")
+    projected = trainer.optimizer.optimizer.param_groups[0]
+    assert projected["rank"] == 8 and projected["update_proj_gap"] == 4
+
+
+def test_layerwise_under_trainer_accumulates_logs_the_right_rate_and_clips(shakespeare_tokens, tmp_path) -> None:
+    common = dict(gradient_accumulation_steps=2, max_grad_norm=1e9)
+    stepping = _train(shakespeare_tokens, tmp_path / "a", "galore_adamw", **common)
+    layered = _train(shakespeare_tokens, tmp_path / "b", "galore_adamw_layerwise", **common)
+    assert layered.layerwise_handle.optimizer_steps == 8
+    assert _logged(layered, "learning_rate") == _logged(stepping, "learning_rate")
+    assert _logged(layered, "loss") == pytest.approx(_logged(stepping, "loss"), rel=1e-4)
+    assert all(norm > 0 for norm in _logged(layered, "grad_norm"))
+
+    clipped = _train(shakespeare_tokens, tmp_path / "c", "galore_adamw_layerwise", max_grad_norm=0.05)
+    optimizer = clipped.optimizer.optimizer
+    assert clipped.layerwise_handle.max_grad_norm == 0.05
+    # The first moment averages clipped gradients, so its norm is bounded by the clip.
+    norms = [float(optimizer.state[p]["exp_avg"].norm()) for p in optimizer.param_groups[0]["params"]]
+    assert max(norms) <= 0.05 * (1 + 1e-4)
+
+
+def test_resume_from_checkpoint_restores_the_optimizer_exactly(shakespeare_tokens, tmp_path) -> None:
+    name = "galore_adamw_ternary_layerwise"
+    whole = _train(shakespeare_tokens, tmp_path / "whole", name, save_strategy="steps", save_steps=4)
+    checkpoint = tmp_path / "whole" / "checkpoint-4"
+    state = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert any("exp_avg.codes" in s for s in state["state"].values())
+    resumed = SlimoptTrainer(
+        model=tiny_llama(seed=1),
+        args=_args(tmp_path / "resumed"),
+        train_dataset=ShakespeareRows(shakespeare_tokens),
+        optimizer_name=name,
+    )
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    for a, b in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_optim_args_are_typed_and_bad_ones_are_named() -> None:
+    parsed = parse_optim_args("rank=128, update_proj_gap=200,scale=0.25,proj_type=std,states=int8,stagger=false")
+    assert parsed == {
+        "rank": 128,
+        "update_proj_gap": 200,
+        "scale": 0.25,
+        "proj_type": "std",
+        "states": "int8",
+        "stagger": False,
+    }
+    assert parse_optim_args(None) == {} and parse_optim_args("") == {}
+    with pytest.raises(ValueError, match="unknown optim_args key 'ranks'; valid: rank, update_proj_gap"):
+        parse_optim_args("ranks=4")
+    with pytest.raises(ValueError, match="optim_args rank='four': expected int"):
+        parse_optim_args("rank=four")
+    with pytest.raises(ValueError, match="is not key=value"):
+        parse_optim_args("rank")
+
+
+def test_target_modules_and_names(tmp_path) -> None:
+    model = tiny_llama()
+    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    every = create_optimizer(model, _args(tmp_path, optim_target_modules="all-linear"), "galore_adamw")
+    assert len(every.param_groups[0]["params"]) == len(linear)  # the output head too
+    attention = create_optimizer(model, _args(tmp_path, optim_target_modules=[r".*self_attn.*"]), "galore_adamw")
+    assert len(attention.param_groups[0]["params"]) == 4 * 2  # q, k, v, o of two layers
+    default = create_optimizer(model, _args(tmp_path, optim_target_modules=None), "galore_adamw8bit")
+    assert len(default.param_groups[0]["params"]) == len(linear) - 1
+    with pytest.raises(ValueError, match="matches no nn.Linear module"):
+        create_optimizer(model, _args(tmp_path, optim_target_modules=["attn_proj"]), "galore_adamw")
+    with pytest.raises(ValueError, match="does not project gradients"):
+        create_optimizer(model, _args(tmp_path, optim_target_modules="all-linear", optim_args=""), "adamw8bit")
+    with pytest.raises(ValueError, match="unknown optimizer 'galore_lion'; available: adamw"):
+        SlimoptTrainer(model=model, args=_args(tmp_path), optimizer_name="galore_lion")
+
+
+@pytest.mark.parametrize("name", slimopt.available_optimizers())
+def test_accelerate_prepare_and_accumulate(shakespeare_tokens, name) -> None:
+    accelerate = pytest.importorskip("accelerate")
+    data = torch.utils.data.DataLoader(ShakespeareRows(shakespeare_tokens, count=48), batch_size=4)
+
+    def run(use_accelerate: bool) -> list[torch.Tensor]:
+        model = tiny_llama()
+        projection = {"rank": 8} if slimopt.registry.OPTIMIZERS[name].projected else {}
+        optimizer = slimopt.build_optimizer(model, name, lr=3e-3, **projection)
+        if not use_accelerate:
+            for i, batch in enumerate(data):
+                (model(**batch).loss / 2).backward()
+                if i % 2 == 1:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            return [p.detach().clone() for p in model.parameters()]
+        accelerator = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, data)
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**batch).loss)
+                optimizer.step()
+                optimizer.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    manual, prepared = run(False), run(True)
+    start = [p.detach() for p in tiny_llama().parameters()]
+    assert all(torch.isfinite(p).all() for p in prepared)
+    assert any(not torch.equal(p, q) for p, q in zip(prepared, start, strict=True))
+    for a, b in zip(prepared, manual, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw_ternary"])
+def test_peft_lora_trains_with_compressed_states(shakespeare_tokens, name) -> None:
+    peft = pytest.importorskip("peft")
+    # Hidden size 256, LoRA rank 16: each adapter matrix has 4096 entries, enough to be compressed.
+    base = tiny_llama(dims=(256, 688, 4, 2))
+    frozen = {n: p.detach().clone() for n, p in base.named_parameters()}
+    model = peft.get_peft_model(base, peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"]))
+    optimizer = slimopt.build_optimizer(model, name, lr=1e-2)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(trainable) == 8
+    losses = []
+    for batch in torch.utils.data.DataLoader(ShakespeareRows(shakespeare_tokens, count=80), batch_size=8):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.3
+    assert any(key.endswith(".codes") for state in optimizer.state.values() for key in state)
+    for n, p in model.base_model.model.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, frozen[n.replace(".base_layer", "")])
