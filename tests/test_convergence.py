@@ -12,7 +12,11 @@ from .conftest import tiny_llama
 
 
 def final_training_loss(
-    tokens: torch.Tensor, name: str, steps: int = 100, dims: tuple[int, int, int, int] | None = None, **options
+    tokens: torch.Tensor,
+    name: str,
+    steps: int = 100,
+    dims: tuple[int, int, int, int] | None = None,
+    **options,
 ) -> float:
     """Mean training loss of the last 10 of ``steps`` steps; ``name`` is a slimopt name or
     "torch_adamw"; ``dims`` overrides the tiny LLaMA's (hidden, intermediate, heads, layers)."""

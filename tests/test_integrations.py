@@ -20,7 +20,9 @@ class ShakespeareRows(torch.utils.data.Dataset):
 
     def __init__(self, tokens: torch.Tensor, count: int = 64, seq: int = 32) -> None:
         generator = torch.Generator().manual_seed(0)
-        self.rows = [tokens[s : s + seq] for s in torch.randint(0, len(tokens) - seq, (count,), generator=generator)]
+        self.rows = [
+            tokens[s : s + seq] for s in torch.randint(0, len(tokens) - seq, (count,), generator=generator)
+        ]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -50,7 +52,10 @@ def _args(out: Path, **overrides) -> transformers.TrainingArguments:
 
 def _train(tokens, out, name, **overrides) -> SlimoptTrainer:
     trainer = SlimoptTrainer(
-        model=tiny_llama(), args=_args(out, **overrides), train_dataset=ShakespeareRows(tokens), optimizer_name=name
+        model=tiny_llama(),
+        args=_args(out, **overrides),
+        train_dataset=ShakespeareRows(tokens),
+        optimizer_name=name,
     )
     trainer.train()
     return trainer
@@ -70,7 +75,9 @@ def test_trainer_trains_with_slimopt_optimizers(shakespeare_tokens, tmp_path, na
     assert projected["rank"] == 8 and projected["update_proj_gap"] == 4
 
 
-def test_layerwise_under_trainer_accumulates_logs_the_right_rate_and_clips(shakespeare_tokens, tmp_path) -> None:
+def test_layerwise_under_trainer_accumulates_logs_the_right_rate_and_clips(
+    shakespeare_tokens, tmp_path
+) -> None:
     common = dict(gradient_accumulation_steps=2, max_grad_norm=1e9)
     stepping = _train(shakespeare_tokens, tmp_path / "a", "galore_adamw", **common)
     layered = _train(shakespeare_tokens, tmp_path / "b", "galore_adamw_layerwise", **common)
@@ -105,7 +112,9 @@ def test_resume_from_checkpoint_restores_the_optimizer_exactly(shakespeare_token
 
 
 def test_optim_args_are_typed_and_bad_ones_are_named() -> None:
-    parsed = parse_optim_args("rank=128, update_proj_gap=200,scale=0.25,proj_type=std,states=int8,stagger=false")
+    parsed = parse_optim_args(
+        "rank=128, update_proj_gap=200,scale=0.25,proj_type=std,states=int8,stagger=false"
+    )
     assert parsed == {
         "rank": 128,
         "update_proj_gap": 200,
@@ -128,14 +137,18 @@ def test_target_modules_and_names(tmp_path) -> None:
     linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     every = create_optimizer(model, _args(tmp_path, optim_target_modules="all-linear"), "galore_adamw")
     assert len(every.param_groups[0]["params"]) == len(linear)  # the output head too
-    attention = create_optimizer(model, _args(tmp_path, optim_target_modules=[r".*self_attn.*"]), "galore_adamw")
+    attention = create_optimizer(
+        model, _args(tmp_path, optim_target_modules=[r".*self_attn.*"]), "galore_adamw"
+    )
     assert len(attention.param_groups[0]["params"]) == 4 * 2  # q, k, v, o of two layers
     default = create_optimizer(model, _args(tmp_path, optim_target_modules=None), "galore_adamw8bit")
     assert len(default.param_groups[0]["params"]) == len(linear) - 1
-    with pytest.raises(ValueError, match="matches no nn.Linear module"):
+    with pytest.raises(ValueError, match=r"matches no nn\.Linear module"):
         create_optimizer(model, _args(tmp_path, optim_target_modules=["attn_proj"]), "galore_adamw")
     with pytest.raises(ValueError, match="does not project gradients"):
-        create_optimizer(model, _args(tmp_path, optim_target_modules="all-linear", optim_args=""), "adamw8bit")
+        create_optimizer(
+            model, _args(tmp_path, optim_target_modules="all-linear", optim_args=""), "adamw8bit"
+        )
     with pytest.raises(ValueError, match="unknown optimizer 'galore_lion'; available: adamw"):
         SlimoptTrainer(model=model, args=_args(tmp_path), optimizer_name="galore_lion")
 
@@ -179,7 +192,9 @@ def test_peft_lora_trains_with_compressed_states(shakespeare_tokens, name) -> No
     # Hidden size 256, LoRA rank 16: each adapter matrix has 4096 entries, enough to be compressed.
     base = tiny_llama(dims=(256, 688, 4, 2))
     frozen = {n: p.detach().clone() for n, p in base.named_parameters()}
-    model = peft.get_peft_model(base, peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"]))
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])
+    )
     optimizer = slimopt.build_optimizer(model, name, lr=1e-2)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(trainable) == 8
@@ -195,3 +210,31 @@ def test_peft_lora_trains_with_compressed_states(shakespeare_tokens, name) -> No
     for n, p in model.base_model.model.named_parameters():
         if "lora_" not in n:
             assert torch.equal(p, frozen[n.replace(".base_layer", "")])
+
+
+def test_qlora_with_4bit_base_weights_trains_with_ternary_states(shakespeare_tokens, tmp_path) -> None:
+    """QLoRA: bitsandbytes NF4 base weights (its CPU backend), LoRA adapters, slimopt states."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    tiny_llama(dims=(256, 688, 4, 2)).save_pretrained(tmp_path / "base")
+    quantization = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "base", quantization_config=quantization, device_map="cpu"
+    )
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model = peft.get_peft_model(
+        model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])
+    )
+    optimizer = slimopt.build_optimizer(model, "adamw_ternary", lr=1e-2)
+    losses = []
+    for batch in torch.utils.data.DataLoader(ShakespeareRows(shakespeare_tokens, count=80), batch_size=8):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.3
+    assert any(key.endswith(".codes") for state in optimizer.state.values() for key in state)
