@@ -60,8 +60,8 @@ ROWS = [
     Row("GaLore r=8", "galore_adamw", 4e-3, {"rank": 8}),
     Row("GaLore r=8, int8", "galore_adamw8bit", 4e-3, {"rank": 8}),
     Row("GaLore r=8, ternary", "galore_adamw_ternary", 4e-3, {"rank": 8}),
-    Row("LoRA r=4", "adamw", 3e-3, lora_rank=4),
-    Row("LoRA r=8", "adamw", 3e-3, lora_rank=8),
+    Row("LoRA r=4", "adamw", 1e-3, lora_rank=4),
+    Row("LoRA r=8", "adamw", 1e-3, lora_rank=8),
 ]
 
 
