@@ -186,6 +186,19 @@ def test_accelerate_prepare_and_accumulate(shakespeare_tokens, name) -> None:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def _train_adapters(model, optimizer, tokens) -> None:
+    """Ten steps of 8 rows; the loss falls and the adapters' states are compressed."""
+    losses = []
+    for batch in torch.utils.data.DataLoader(ShakespeareRows(tokens, count=80), batch_size=8):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.3
+    assert any(key.endswith(".codes") for state in optimizer.state.values() for key in state)
+
+
 @pytest.mark.parametrize("name", ["adamw8bit", "adamw_ternary"])
 def test_peft_lora_trains_with_compressed_states(shakespeare_tokens, name) -> None:
     peft = pytest.importorskip("peft")
@@ -198,15 +211,7 @@ def test_peft_lora_trains_with_compressed_states(shakespeare_tokens, name) -> No
     optimizer = slimopt.build_optimizer(model, name, lr=1e-2)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(trainable) == 8
-    losses = []
-    for batch in torch.utils.data.DataLoader(ShakespeareRows(shakespeare_tokens, count=80), batch_size=8):
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    assert sum(losses[-3:]) / 3 < losses[0] - 0.3
-    assert any(key.endswith(".codes") for state in optimizer.state.values() for key in state)
+    _train_adapters(model, optimizer, shakespeare_tokens)
     for n, p in model.base_model.model.named_parameters():
         if "lora_" not in n:
             assert torch.equal(p, frozen[n.replace(".base_layer", "")])
@@ -229,12 +234,4 @@ def test_qlora_with_4bit_base_weights_trains_with_ternary_states(shakespeare_tok
         model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])
     )
     optimizer = slimopt.build_optimizer(model, "adamw_ternary", lr=1e-2)
-    losses = []
-    for batch in torch.utils.data.DataLoader(ShakespeareRows(shakespeare_tokens, count=80), batch_size=8):
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    assert sum(losses[-3:]) / 3 < losses[0] - 0.3
-    assert any(key.endswith(".codes") for state in optimizer.state.values() for key in state)
+    _train_adapters(model, optimizer, shakespeare_tokens)
