@@ -24,6 +24,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture
+def private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokenizers cached under this test session's temporary directory, not the user's cache."""
+    monkeypatch.setenv("SLIMOPT_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
 @pytest.fixture(scope="session")
 def shakespeare_tokens() -> torch.Tensor:
     """Byte tokens of ../shared/data/tinyshakespeare.txt (skips where the corpus is absent)."""

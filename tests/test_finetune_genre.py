@@ -8,10 +8,7 @@ import pytest
 
 from benchmarks import finetune_genre
 
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SLIMOPT_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def test_finetune_comparison_runs_end_to_end(tmp_path) -> None:

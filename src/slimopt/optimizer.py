@@ -178,7 +178,7 @@ class GaLoreOptimizer(Optimizer):
         generator = None
         if group["basis_states"] == "bf16":  # stochastic rounding, seeded like the refresh
             generator = torch.Generator(device="cpu" if param.is_meta else param.device)
-            generator.manual_seed(state["seed"] * 1_000_003 + state["step"])
+            generator.manual_seed(_step_seed(state))
         for key, factor, shape in zip(BASIS_KEYS, basis, self._basis_shapes(param, group), strict=True):
             if factor is not None:
                 codec = moment_codec(group["basis_states"], "linear", shape)
@@ -289,7 +289,7 @@ class GaLoreOptimizer(Optimizer):
         state["step"] = 0
         state["nonfinite_skips"] = 0
         state["seed"] = ordinal
-        if "rank" in group and param.dim() >= 2:
+        if self._projects(param, group):
             gap = group["update_proj_gap"]
             state["refresh_offset"] = (projected_ordinal * gap) // projected_count if group["stagger"] else 0
 
@@ -321,7 +321,7 @@ class GaLoreOptimizer(Optimizer):
         if group["proj_method"] == "subspace":
             # Seeded by parameter and step, so a resumed run draws the same random directions.
             generator = torch.Generator()
-            generator.manual_seed(state["seed"] * 1_000_003 + state["step"])
+            generator.manual_seed(_step_seed(state))
         try:
             new = compute_basis(
                 grad,
@@ -393,8 +393,8 @@ class GaLoreOptimizer(Optimizer):
             return None
         device = param.device if param is not None else _state_device(state)
         generator = torch.Generator(device="cpu" if device.type == "meta" else device)
-        # Odd seeds: even ones (seed·1_000_003 + step) belong to the projection refresh.
-        generator.manual_seed((state["seed"] * 1_000_003 + state["step"]) * 2 + 1)
+        # Odd seeds: the plain step seed belongs to the projection refresh.
+        generator.manual_seed(_step_seed(state) * 2 + 1)
         return generator
 
     def _skip(self, param: Tensor, state: dict[str, Any], reason: str) -> None:
@@ -408,6 +408,12 @@ class GaLoreOptimizer(Optimizer):
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+def _step_seed(state: dict[str, Any]) -> int:
+    """A seed unique to this parameter and step, so a resumed run draws what an uninterrupted
+    one would."""
+    return state["seed"] * 1_000_003 + state["step"]
 
 
 def _as_matrix(tensor: Tensor) -> Tensor:

@@ -129,6 +129,7 @@ def plan_memory(
     dtype: str = "bf16",
     vocab_size: int = 32000,
     gpu_memory_gib: float | None = None,
+    device: str = "meta",
     **optimizer_options: Any,
 ) -> MemoryPlan:
     """Predict the memory of training ``model`` with ``optimizer`` (a registry name).
@@ -136,36 +137,21 @@ def plan_memory(
     ``model`` is a LLaMA preset (``slimopt.train.models.LLAMA_PRESETS``) or a Hugging Face config
     file or directory; ``dtype`` ("bf16" or "fp32") is the weights' dtype; ``batch_size`` sequences
     of ``seq_len`` tokens per micro-batch, ``accumulation_steps`` micro-batches per step.
-    ``optimizer_options`` go to ``build_optimizer`` (``states``, ``update_proj_gap``, …).
+    ``optimizer_options`` go to ``build_optimizer`` (``states``, ``update_proj_gap``, …). On a
+    real ``device`` the steps run for real and the plan is a measurement (see ``measure_memory``).
     Raises ``ValueError`` naming a bad model, optimizer, size, dtype or rank.
     """
-    setting = _setting(locals())
-    return _run(setting, optimizer_options, torch.device("meta"))
+    setting = _setting({k: v for k, v in locals().items() if k != "device"})
+    return _run(setting, optimizer_options, torch.device(device))
 
 
-def measure_memory(
-    model: str,
-    optimizer: str,
-    *,
-    device: str = "cpu",
-    rank: int | None = None,
-    layerwise: bool = False,
-    batch_size: int = 1,
-    seq_len: int = 256,
-    accumulation_steps: int = 1,
-    checkpointing: bool = False,
-    dtype: str = "bf16",
-    vocab_size: int = 32000,
-    gpu_memory_gib: float | None = None,
-    **optimizer_options: Any,
-) -> MemoryPlan:
+def measure_memory(model: str, optimizer: str, *, device: str = "cpu", **settings: Any) -> MemoryPlan:
     """Run the planner's two steps for real on ``device`` and report what they used.
 
     Same arguments as :func:`plan_memory`. On CUDA ``cuda_max_memory_allocated`` holds the
     allocator's own peak over the same steps.
     """
-    setting = _setting({k: v for k, v in locals().items() if k != "device"})
-    return _run(setting, optimizer_options, torch.device(device))
+    return plan_memory(model, optimizer, device=device, **settings)
 
 
 def _setting(arguments: dict[str, Any]) -> dict[str, Any]:
