@@ -2,6 +2,7 @@
 
     python -m benchmarks.memory_planner                    # CPU: small models, exact live bytes
     python -m benchmarks.memory_planner --device cuda --llama-7b   # GPU: the 7B configurations
+    python -m benchmarks.memory_planner --llama-7b --model llama_9m --rank 8   # the same path, small
 
 On the CPU the measured peak is the high-water mark of live tensor bytes of the same two training
 steps the planner runs on the meta device. On CUDA it is ``torch.cuda.max_memory_allocated`` over
@@ -13,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from slimopt import build_optimizer, layerwise, state_nbytes
 from slimopt.planner import measure_memory, plan_memory
-from slimopt.train.models import build_llama, enable_checkpointing
+from slimopt.train.models import build_llama, default_dtype, enable_checkpointing
 
 GIB = 2**30
 
@@ -67,28 +69,71 @@ LLAMA_7B: dict[str, dict[str, Any]] = {
     "int8 states, fp32 bases": dict(optimizer="galore_adamw8bit"),
 }
 LLAMA_7B_COMMON = dict(
-    model="llama_7b", rank=1024, layerwise=True, batch_size=1, seq_len=256, update_proj_gap=500
+    model="llama_7b",
+    vocab_size=32000,
+    rank=1024,
+    layerwise=True,
+    batch_size=1,
+    seq_len=256,
+    update_proj_gap=500,
 )
 
 
 def timed_steps(setting: dict[str, Any], device: torch.device, steps: int) -> tuple[float, float, int]:
     """First-step and mean steady-step seconds of a plain layer-wise loop, and the state bytes."""
     options = {k: v for k, v in setting.items() if k in ("rank", "basis_states", "update_proj_gap")}
-    with torch.device(device):
-        model = build_llama(setting["model"], 32000, max_seq_len=setting["seq_len"]).to(torch.bfloat16)
+    with torch.device(device), default_dtype(torch.bfloat16):
+        model = build_llama(setting["model"], setting["vocab_size"], max_seq_len=setting["seq_len"])
+    model.to(torch.bfloat16)
     if setting.get("checkpointing"):
         enable_checkpointing(model)
     optimizer = build_optimizer(model, setting["optimizer"], lr=5e-3, **options)
     handle = layerwise(optimizer)
     times = []
     for _ in range(steps):
-        batch = torch.randint(0, 32000, (setting["batch_size"], setting["seq_len"]), device=device)
+        batch = torch.randint(
+            0, setting["vocab_size"], (setting["batch_size"], setting["seq_len"]), device=device
+        )
         began = time.perf_counter()
         model(input_ids=batch, labels=batch).loss.backward()
-        torch.cuda.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - began)
     handle.remove()
     return times[0], sum(times[1:]) / (len(times) - 1), state_nbytes(optimizer)
+
+
+def llama_7b_runs(device: torch.device, steps: int, **overrides: Any) -> Iterator[dict[str, Any]]:
+    """Predicted and measured peaks, state bytes and step times of each ``LLAMA_7B`` configuration.
+
+    ``overrides`` replace entries of ``LLAMA_7B_COMMON`` (a small model for a dry run).
+    """
+    for name, extra in LLAMA_7B.items():
+        setting = {**LLAMA_7B_COMMON, **overrides, **extra}
+        predicted = plan_memory(**setting).peak_bytes
+        measured = measure_memory(**setting, device=device.type)
+        cuda_peak, live_peak = measured.cuda_max_memory_allocated, measured.peak_bytes
+        del measured
+        first, steady, state = timed_steps(setting, device, steps)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        yield dict(
+            name=name,
+            predicted=predicted,
+            cuda=cuda_peak,
+            live=live_peak,
+            state=state,
+            steady=steady,
+            first=first,
+        )
+
+
+def llama_7b_row(run: dict[str, Any]) -> str:
+    cuda = "—" if run["cuda"] is None else f"{run['cuda'] / GIB:.2f}"
+    return (
+        f"| {run['name']} | {run['predicted'] / GIB:.2f} | {cuda} | {run['live'] / GIB:.2f} | "
+        f"{run['state'] / GIB:.2f} | {run['steady']:.3f} | {run['first']:.1f} |"
+    )
 
 
 def main() -> None:
@@ -96,26 +141,19 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--llama-7b", action="store_true", help="the 7B configurations (needs a large GPU)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per 7B configuration")
+    parser.add_argument("--model", default="llama_7b", help="with --llama-7b: another preset, for a dry run")
+    parser.add_argument("--rank", type=int, default=1024, help="with --llama-7b: the GaLore rank")
+    parser.add_argument("--vocab-size", type=int, default=32000, help="with --llama-7b: the vocabulary")
     args = parser.parse_args()
     if args.llama_7b:
         print(
-            "| LLaMA-7B, layer-wise, r1024 | predicted GiB | max_memory_allocated GiB | live bytes GiB "
-            "| state GiB | step s | first step s |"
+            f"| {args.model}, layer-wise, r{args.rank} | predicted GiB | max_memory_allocated GiB "
+            "| live bytes GiB | state GiB | step s | first step s |"
         )
         print("|---|---|---|---|---|---|---|")
-        for name, extra in LLAMA_7B.items():
-            setting = {**LLAMA_7B_COMMON, **extra}
-            predicted = plan_memory(**setting)
-            measured = measure_memory(**setting, device=args.device)
-            cuda_peak = measured.cuda_max_memory_allocated
-            torch.cuda.empty_cache()
-            first, steady, state = timed_steps(setting, torch.device(args.device), args.steps)
-            torch.cuda.empty_cache()
-            print(
-                f"| {name} | {predicted.peak_bytes / GIB:.2f} | {cuda_peak / GIB:.2f} | "
-                f"{measured.peak_bytes / GIB:.2f} | {state / GIB:.2f} | {steady:.3f} | {first:.1f} |",
-                flush=True,
-            )
+        overrides = dict(model=args.model, rank=args.rank, vocab_size=args.vocab_size)
+        for run in llama_7b_runs(torch.device(args.device), args.steps, **overrides):
+            print(llama_7b_row(run), flush=True)
         return
     print("| configuration (vocab 32000) | predicted bytes | measured bytes | error | peak at |")
     print("|---|---|---|---|---|")

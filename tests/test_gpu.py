@@ -33,3 +33,14 @@ def test_cuda_matches_cpu(cls, method: str) -> None:
         runs[device] = [p.detach().cpu() for p in params]
     for a, b in zip(runs["cpu"], runs["cuda"], strict=True):
         assert relative_error(b, a) <= 1e-4
+
+
+def test_planner_predicts_cuda_max_memory_allocated() -> None:
+    from slimopt.planner import measure_memory, plan_memory
+
+    setting = dict(
+        model="llama_130m", optimizer="galore_adamw8bit", rank=128, layerwise=True, batch_size=4, seq_len=256
+    )
+    predicted = plan_memory(**setting).peak_bytes
+    measured = measure_memory(**setting, device="cuda").cuda_max_memory_allocated
+    assert abs(predicted - measured) <= 0.1 * measured

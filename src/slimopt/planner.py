@@ -181,9 +181,9 @@ def _setting(arguments: dict[str, Any]) -> dict[str, Any]:
 
 
 def _build_model(setting: dict[str, Any], device: torch.device) -> nn.Module:
-    from slimopt.train.models import LLAMA_PRESETS, build_llama, enable_checkpointing
+    from slimopt.train.models import LLAMA_PRESETS, build_llama, default_dtype, enable_checkpointing
 
-    with torch.device(device):
+    with torch.device(device), default_dtype(DTYPES[setting["dtype"]]):
         if setting["model"] in LLAMA_PRESETS:
             model = build_llama(setting["model"], setting["vocab_size"], max_seq_len=setting["seq_len"])
         else:
@@ -192,7 +192,7 @@ def _build_model(setting: dict[str, Any], device: torch.device) -> nn.Module:
             config = AutoConfig.from_pretrained(setting["model"])
             config.vocab_size = setting["vocab_size"]
             model = AutoModelForCausalLM.from_config(config)
-    model.to(DTYPES[setting["dtype"]])
+    model.to(DTYPES[setting["dtype"]])  # also the buffers HF makes in fp32 explicitly (rotary)
     if setting["checkpointing"]:
         enable_checkpointing(model)
     model.train()
