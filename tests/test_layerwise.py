@@ -31,9 +31,9 @@ def _backward(model: torch.nn.Module, batch: torch.Tensor, k: int) -> None:
     (model(input_ids=batch, labels=batch).loss / k).backward()
 
 
-def _stepping(tokens, name, k, *, reverse=False, clip=None, schedule=None, **options):
+def _stepping(tokens, name, k, *, reverse=False, clip=None, schedule=None, dtype=torch.float32, **options):
     """Parameters after STEPS optimizer steps of the ordinary loop (backward × k, step)."""
-    model = tiny_llama()
+    model = tiny_llama().to(dtype)
     optimizer = _optimizer(model, name, **options)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if schedule else None
     data = _batches(tokens, STEPS * k)
@@ -47,11 +47,11 @@ def _stepping(tokens, name, k, *, reverse=False, clip=None, schedule=None, **opt
         optimizer.zero_grad()
         if scheduler:
             scheduler.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().float() for p in model.parameters()]
 
 
-def _layerwise(tokens, name, k, *, clip=None, schedule=None, **options):
-    model = tiny_llama()
+def _layerwise(tokens, name, k, *, clip=None, schedule=None, dtype=torch.float32, **options):
+    model = tiny_llama().to(dtype)
     optimizer = _optimizer(model, name, **options)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if schedule else None
     data = _batches(tokens, STEPS * k)
@@ -60,7 +60,7 @@ def _layerwise(tokens, name, k, *, clip=None, schedule=None, **options):
             _backward(model, batch, k)
         assert handle.optimizer_steps == STEPS
         assert all(p.grad is None for p in model.parameters())
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().float() for p in model.parameters()]
 
 
 def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -94,6 +94,24 @@ def test_with_accumulation_layerwise_matches_stepping(shakespeare_tokens, name):
     assert _distance(ours, reference) <= 2 * rounding_spread + 1e-6 * moved
 
 
+def test_bf16_model_accumulates_in_bf16_within_the_rounding_of_bf16_grad_accumulation(shakespeare_tokens):
+    """A bf16 model's buffers are bf16 between micro-batches, as its .grad would be; the result
+    stays within the spread that the order of bf16 .grad accumulation itself causes."""
+    reference = _stepping(shakespeare_tokens, "galore_adamw", 4, dtype=torch.bfloat16)
+    ours = _layerwise(shakespeare_tokens, "galore_adamw", 4, dtype=torch.bfloat16)
+    spread = _distance(
+        _stepping(shakespeare_tokens, "galore_adamw", 4, reverse=True, dtype=torch.bfloat16), reference
+    )
+    assert 0 < _distance(ours, reference) <= 2 * spread
+    model = tiny_llama().to(torch.bfloat16)
+    optimizer = _optimizer(model, "galore_adamw")
+    with slimopt.layerwise(optimizer, 2, refresh_from="micro_batch") as handle:
+        first, second = _batches(shakespeare_tokens, 2)
+        _backward(model, first, 2)
+        assert {b.dtype for b in handle.accumulation_buffers.values()} == {torch.bfloat16}
+        _backward(model, second, 2)
+
+
 def test_projected_matrices_accumulate_in_rank_r_buffers(shakespeare_tokens):
     model = tiny_llama()
     optimizer = _optimizer(model, "galore_adamw8bit", update_proj_gap=50)
@@ -119,6 +137,54 @@ def test_projected_matrices_accumulate_in_rank_r_buffers(shakespeare_tokens):
             _backward(model, batch, 4)
         assert not handle.accumulation_buffers and handle.optimizer_steps == 2
         assert all(p.grad is None for p in model.parameters())
+
+
+def test_refresh_from_micro_batch_never_keeps_a_projected_gradient_whole(shakespeare_tokens):
+    """The first step computes every basis; with refresh_from="micro_batch" it does so from the
+    first micro-batch's gradient, which is the one the stepping optimizer would see alone."""
+    data = _batches(shakespeare_tokens, 4)
+    reference = tiny_llama()
+    stepping = _optimizer(reference, "galore_adamw8bit")
+    _backward(reference, data[0], 4)
+    stepping.step()
+    model = tiny_llama()
+    optimizer = _optimizer(model, "galore_adamw8bit")
+    projected = optimizer.param_groups[0]["params"]
+    with slimopt.layerwise(optimizer, 4, refresh_from="micro_batch") as handle:
+        _backward(model, data[0], 4)
+        assert set(handle.accumulation_buffers) == set(projected)
+        assert all(p.grad is None for p in projected)
+        for param, theirs in zip(projected, stepping.param_groups[0]["params"], strict=True):
+            group = optimizer.param_groups[0]
+            ours = optimizer._basis(param, group)
+            assert all(
+                torch.equal(a, b)
+                for a, b in zip(ours, stepping._basis(theirs, stepping.param_groups[0]), strict=True)
+                if a is not None
+            )
+            assert handle.accumulation_buffers[param].shape == projected_shape(param.shape, ours)
+        for batch in data[1:]:
+            _backward(model, batch, 4)
+        assert handle.optimizer_steps == 1 and not handle.pending
+
+
+def test_refresh_from_micro_batch_matches_stepping_when_micro_batches_agree(shakespeare_tokens):
+    """When a step's micro-batches are one batch repeated, its first micro-batch's gradient spans
+    the step's subspace: the run must then follow the stepping optimizer on that batch, within
+    the rounding that summing four quarter-gradients brings (refresh_from="step" as the bound)."""
+    data = [batch for batch in _batches(shakespeare_tokens, STEPS) for _ in range(4)]
+
+    def run(refresh_from: str) -> list[torch.Tensor]:
+        model = tiny_llama()
+        with slimopt.layerwise(_optimizer(model, "galore_adamw"), 4, refresh_from=refresh_from):
+            for batch in data:
+                _backward(model, batch, 4)
+        return [p.detach().clone() for p in model.parameters()]
+
+    reference = _stepping(shakespeare_tokens, "galore_adamw", 1)
+    rounding = _distance(run("step"), reference)
+    moved = _distance(reference, [p.detach() for p in tiny_llama().parameters()])
+    assert _distance(run("micro_batch"), reference) <= 2 * rounding + 1e-6 * moved
 
 
 def test_per_tensor_clipping_equals_torch_clip_of_each_tensor(shakespeare_tokens):
@@ -253,6 +319,8 @@ def test_bad_input_fails_at_construction():
         slimopt.layerwise(optimizer, scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
     with pytest.raises(TypeError, match="ReduceLROnPlateau"):
         slimopt.layerwise(optimizer, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer))
+    with pytest.raises(ValueError, match="unknown refresh_from 'first'; valid: step, micro_batch"):
+        slimopt.layerwise(optimizer, refresh_from="first")
     assert optimizer._layerwise is None
 
 

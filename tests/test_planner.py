@@ -108,6 +108,28 @@ def test_layerwise_frees_gradients_and_accumulates_rank_r() -> None:
     assert layered.at_peak["accumulation_buffers"] > 0
 
 
+def test_refresh_from_micro_batch_keeps_the_first_step_rank_r() -> None:
+    common = dict(
+        model="llama_20m",
+        optimizer="galore_adamw_ternary",
+        rank=32,
+        vocab_size=1024,
+        batch_size=1,
+        seq_len=32,
+        layerwise=True,
+        accumulation_steps=2,
+    )
+    whole = plan_memory(**common)
+    ranked = plan_memory(**common, refresh_from="micro_batch")
+    # Step 1 refreshes every basis: from the step's gradient, all projected gradients coexist.
+    assert whole.peak_at.startswith("step 1") and "refresh_from='micro_batch'" in whole.report()
+    assert ranked.peak_bytes < whole.peak_bytes
+    assert ranked.at_peak["gradients"] < whole.at_peak["gradients"] / 4
+    assert "refresh_from" not in ranked.report().split("\n", 1)[1]
+    measured = measure_memory(**common, refresh_from="micro_batch")
+    assert abs(ranked.peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes
+
+
 def test_llama_7b_fits_16_gib_with_ternary_states_and_20_gib_with_int8() -> None:
     ternary = plan_memory(
         "llama_7b", "galore_adamw_ternary", rank=1024, layerwise=True, basis_states="int8", gpu_memory_gib=24
@@ -131,6 +153,14 @@ def test_llama_7b_fits_16_gib_with_ternary_states_and_20_gib_with_int8() -> None
         (dict(model="llama_9m", optimizer="adamw", seq_len=-1), "seq len must be a positive integer, got -1"),
         (dict(model="llama_9m", optimizer="galore_adamw", rank=129), "rank 129 is larger than the matrix"),
         (dict(model="llama_9m", optimizer="adamw", dtype="fp16"), "unknown dtype 'fp16'; valid: bf16, fp32"),
+        (
+            dict(model="llama_9m", optimizer="galore_adamw", layerwise=True, refresh_from="first"),
+            "unknown refresh_from 'first'; valid: step, micro_batch",
+        ),
+        (
+            dict(model="llama_9m", optimizer="galore_adamw", refresh_from="micro_batch"),
+            "refresh_from='micro_batch' is a layer-wise option",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error(arguments: dict, message: str) -> None:

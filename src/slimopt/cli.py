@@ -20,6 +20,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from slimopt.layerwise import REFRESH_FROM
 from slimopt.registry import OPTIMIZERS, OPTION_TYPES, available_optimizers
 from slimopt.train.models import LLAMA_PRESETS
 
@@ -92,6 +93,12 @@ def _run_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="update each parameter inside backward and free its gradient (clipping becomes per tensor)",
     )
+    parser.add_argument(
+        "--refresh-from",
+        choices=REFRESH_FROM,
+        help="with --layerwise: compute projection refreshes from the whole step's gradient (step, "
+        "the default) or from its first micro-batch's (micro_batch: no projected gradient kept whole)",
+    )
     parser.add_argument("--max-documents", type=int, help="read at most this many documents")
     for name, kind in OPTIMIZER_FLAGS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"optimizer option {name}")
@@ -124,6 +131,12 @@ def _memory_flags(parser: argparse.ArgumentParser) -> None:
         "--accumulation", type=int, default=1, help="micro-batches per optimizer step (default 1)"
     )
     parser.add_argument("--layerwise", action="store_true", help="layer-wise updates (slimopt.layerwise)")
+    parser.add_argument(
+        "--refresh-from",
+        choices=REFRESH_FROM,
+        default="step",
+        help="with --layerwise: refreshes from the step's gradient (default) or its first micro-batch's",
+    )
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     parser.add_argument("--dtype", default="bf16", help="weights dtype: bf16 (default) or fp32")
     parser.add_argument("--vocab-size", type=int, default=32000, help="vocabulary (default 32000)")
@@ -148,6 +161,7 @@ def run_memory(args: argparse.Namespace) -> int:
         "seq_len": args.seq,
         "accumulation_steps": args.accumulation,
         "layerwise": args.layerwise,
+        "refresh_from": args.refresh_from,
         "checkpointing": args.checkpointing,
         "dtype": args.dtype,
         "vocab_size": args.vocab_size,

@@ -6,13 +6,18 @@ parameter of a slimopt optimizer; afterwards the training loop only calls ``loss
 exist at the same time:
 
 - **Accumulation.** A projected matrix whose basis is fixed for this optimizer step projects
-  each micro-batch's gradient into its r×n space, adds it to an fp32 buffer of that size and
-  frees the gradient; it is updated on the k-th micro-batch. A parameter that needs its whole
+  each micro-batch's gradient into its r×n space (in fp32), adds it to a buffer of that size
+  and frees the gradient; it is updated on the k-th micro-batch. The buffer has the gradient's
+  dtype, as ``.grad`` accumulation does (bf16 for a bf16 model). A parameter that needs its whole
   gradient this step (not projected, or projected with its basis refreshed from this step's
   gradient, as the stepping optimizer does) lets autograd accumulate ``.grad`` as usual and is
   updated, and its gradient freed, on the k-th micro-batch. With ``stagger`` (the default) only
   about 1/T of the projected matrices refresh in any one step; the exception is the first step,
-  where every matrix finds its first basis.
+  where every matrix finds its first basis, so with k > 1 all of the model's gradients coexist
+  once. ``refresh_from="micro_batch"`` avoids that: a refresh due in a step is computed from
+  the first micro-batch's gradient (instead of the whole step's) and every projected matrix
+  accumulates r×n from the first micro-batch on. That basis sees 1/k of the step's data; with
+  k = 1 both ways are the same.
 - **Clipping** (``max_grad_norm``): the global norm is not known until backward ends, after the
   updates are made, so each tensor is clipped on its own: the gradient the update rule sees (the
   accumulated one; for a projected matrix its projection, whose norm is at most the full
@@ -41,6 +46,9 @@ from torch import Tensor
 from slimopt.optimizer import GaLoreOptimizer
 from slimopt.projection import project
 
+# The gradient a projection refresh in layer-wise mode is computed from.
+REFRESH_FROM = ("step", "micro_batch")
+
 
 class LayerwiseHandle:
     """The hooks of one layer-wise optimizer; ``remove()`` (or leaving a ``with`` block)
@@ -52,11 +60,13 @@ class LayerwiseHandle:
         accumulation_steps: int,
         max_grad_norm: float | None,
         scheduler: Any,
+        refresh_from: str,
     ) -> None:
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
         self.scheduler = scheduler
+        self.refresh_from = refresh_from
         self.micro_step = 0  # index of the current micro-batch within its optimizer step
         self.optimizer_steps = 0  # optimizer steps completed under this handle
         self._groups = self._group_map()
@@ -118,21 +128,38 @@ class LayerwiseHandle:
             self._groups = self._group_map()
         group = self._groups[param]
         last = self.micro_step == self.accumulation_steps - 1
-        if param in self._buffers or not self.optimizer._needs_full_gradient(param, group):
-            self._accumulate_projected(param, group)
+        whole = param not in self._buffers and self.optimizer._needs_full_gradient(param, group)
+        if whole and not self._refreshed_early(param, group):
             if last:
-                self._step_projected(param, group)
-        elif last:
-            self._step_whole(param, group)
-        else:
-            self._accumulating.add(param)
+                self._step_whole(param, group)
+            else:
+                self._accumulating.add(param)
+            return
+        self._accumulate_projected(param, group, last)
+        if last:
+            self._step_projected(param, group)
 
-    def _accumulate_projected(self, param: Tensor, group: dict[str, Any]) -> None:
+    def _refreshed_early(self, param: Tensor, group: dict[str, Any]) -> bool:
+        """With ``refresh_from="micro_batch"``, refresh a due basis from this micro-batch's
+        gradient; whether the parameter can accumulate in its projected space from now on."""
+        if self.refresh_from != "micro_batch" or param in self._accumulating:
+            return False
+        if not self.optimizer._projects(param, group):
+            return False
+        # No basis (its first refresh failed): the step falls back to the whole gradient.
+        return self.optimizer._refreshed_basis(param, group, param.grad) is not None
+
+    def _accumulate_projected(self, param: Tensor, group: dict[str, Any], last: bool) -> None:
         basis = self.optimizer._basis(param, group)
-        projected = project(param.grad.reshape(param.shape[0], -1), basis)
+        dtype = param.grad.dtype
+        total = project(param.grad.reshape(param.shape[0], -1), basis)  # fp32
         param.grad = None
         buffer = self._buffers.get(param)
-        self._buffers[param] = projected if buffer is None else buffer.add_(projected)
+        if buffer is not None:
+            total.add_(buffer)
+        # Between micro-batches the sum is kept in the gradient's dtype, as autograd keeps .grad
+        # (bf16 for a bf16 model: half the bytes of fp32); the finished sum stays fp32.
+        self._buffers[param] = total if last else total.to(dtype)
 
     def _step_projected(self, param: Tensor, group: dict[str, Any]) -> None:
         grad = self._clip(self._buffers.pop(param))
@@ -193,16 +220,20 @@ def layerwise(
     *,
     max_grad_norm: float | None = None,
     scheduler: Any = None,
+    refresh_from: str = "step",
 ) -> LayerwiseHandle:
     """Switch a slimopt optimizer to layer-wise updates and return the handle.
 
     ``accumulation_steps`` micro-batches (one ``loss.backward()`` each) make one optimizer step;
     ``max_grad_norm`` clips each tensor's gradient (see the module docstring); ``scheduler``, an
-    ``LRScheduler`` of this optimizer, is stepped once per optimizer step. While the handle is
-    active ``optimizer.step()`` only ends a half-accumulated step early. Raises ``TypeError``
-    for an optimizer that is not slimopt's or a scheduler that needs a metric, ``ValueError``
-    for a bad count, norm or scheduler, and ``RuntimeError`` when the optimizer is already
-    layer-wise or ``torch.distributed`` runs more than one process.
+    ``LRScheduler`` of this optimizer, is stepped once per optimizer step; ``refresh_from``
+    ("step" or "micro_batch") is the gradient a projection refresh is computed from: the whole
+    step's, as without layer-wise mode, or the step's first micro-batch's, so that no projected
+    gradient is ever kept whole. While the handle is active ``optimizer.step()`` only ends a
+    half-accumulated step early. Raises ``TypeError`` for an optimizer that is not slimopt's or
+    a scheduler that needs a metric, ``ValueError`` for a bad count, norm, scheduler or
+    ``refresh_from``, and ``RuntimeError`` when the optimizer is already layer-wise or
+    ``torch.distributed`` runs more than one process.
     """
     if not isinstance(optimizer, GaLoreOptimizer):
         raise TypeError(
@@ -214,6 +245,8 @@ def layerwise(
         raise ValueError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+    if refresh_from not in REFRESH_FROM:
+        raise ValueError(f"unknown refresh_from {refresh_from!r}; valid: {', '.join(REFRESH_FROM)}")
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise TypeError("ReduceLROnPlateau needs a metric: step it yourself, after evaluation")
     if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
@@ -230,4 +263,4 @@ def layerwise(
         for param in group["params"]:
             if param.requires_grad and not param.is_leaf:
                 raise ValueError(f"parameter {tuple(param.shape)} is not a leaf tensor; hooks need leaves")
-    return LayerwiseHandle(optimizer, accumulation_steps, max_grad_norm, scheduler)
+    return LayerwiseHandle(optimizer, accumulation_steps, max_grad_norm, scheduler, refresh_from)

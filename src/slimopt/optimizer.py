@@ -201,14 +201,21 @@ class GaLoreOptimizer(Optimizer):
             self._init_state(param, group, state)
         if not self._projects(param, group):
             return grad, None
-        grad = grad.reshape(param.shape[0], -1)
-        if self._refresh_due(state, group):
-            self._refresh(param, grad.float(), state, group)
-        basis = self._basis(param, group)
+        basis = self._refreshed_basis(param, group, grad)
         if basis is None:
             self._skip(param, state, "no projection basis could be computed yet")
             return None
-        return project(grad, basis), basis
+        return project(grad.reshape(param.shape[0], -1), basis), basis
+
+    def _refreshed_basis(self, param: Tensor, group: dict[str, Any], grad: Tensor) -> Basis | None:
+        """The basis of a projected ``param`` for this step, refreshed from ``grad`` first when
+        its refresh is due (None: no basis could be computed yet)."""
+        state = self.state[param]
+        if not state:
+            self._init_state(param, group, state)
+        if self._refresh_due(state, group):
+            self._refresh(param, grad.reshape(param.shape[0], -1).float(), state, group)
+        return self._basis(param, group)
 
     def _apply_update(self, param: Tensor, group: dict[str, Any], grad: Tensor, basis: Basis | None) -> None:
         """Run the rule on ``grad`` (already in the basis' space) and update ``param``."""

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from slimopt.layerwise import layerwise
+from slimopt.layerwise import REFRESH_FROM, layerwise
 from slimopt.memory import LiveBytes, storage_nbytes
 from slimopt.optimizer import BASIS_KEYS
 from slimopt.registry import OPTIMIZERS, available_optimizers, build_optimizer, select_target_modules
@@ -87,6 +87,7 @@ class MemoryPlan:
             f"optimizer {s['optimizer']}"
             + (f" rank {s['rank']}" if s.get("rank") else "")
             + (" layer-wise" if s["layerwise"] else "")
+            + (" (refreshes from the first micro-batch)" if s["refresh_from"] == "micro_batch" else "")
             + f", {s['batch_size']}×{s['seq_len']} tokens × {s['accumulation_steps']} micro-batches"
             + (", activation checkpointing" if s["checkpointing"] else ""),
             f"{'measured' if self.measured else 'predicted'} peak: {_size(self.peak_bytes)} ({self.peak_at})",
@@ -101,6 +102,12 @@ class MemoryPlan:
             f"largest temporaries: projection refresh {_size(self.refresh_workspace_bytes)}, "
             f"one parameter's update {_size(self.update_workspace_bytes)}",
         ]
+        first_step_whole = s["layerwise"] and s["accumulation_steps"] > 1 and s["refresh_from"] == "step"
+        if first_step_whole and self.peak_at.startswith("step 1") and self.at_peak["gradients"]:
+            lines.append(
+                "hint: the first step keeps each projected gradient whole until its first basis is "
+                "computed; refresh_from='micro_batch' (--refresh-from micro_batch) keeps them r×n"
+            )
         if self.cuda_max_memory_allocated is not None:
             lines.append(f"torch.cuda.max_memory_allocated: {_size(self.cuda_max_memory_allocated)}")
         if self.gpu_memory_bytes is not None:
@@ -122,6 +129,7 @@ def plan_memory(
     *,
     rank: int | None = None,
     layerwise: bool = False,
+    refresh_from: str = "step",
     batch_size: int = 1,
     seq_len: int = 256,
     accumulation_steps: int = 1,
@@ -136,7 +144,8 @@ def plan_memory(
 
     ``model`` is a LLaMA preset (``slimopt.train.models.LLAMA_PRESETS``) or a Hugging Face config
     file or directory; ``dtype`` ("bf16" or "fp32") is the weights' dtype; ``batch_size`` sequences
-    of ``seq_len`` tokens per micro-batch, ``accumulation_steps`` micro-batches per step.
+    of ``seq_len`` tokens per micro-batch, ``accumulation_steps`` micro-batches per step;
+    ``refresh_from`` is ``slimopt.layerwise``'s option of that name.
     ``optimizer_options`` go to ``build_optimizer`` (``states``, ``update_proj_gap``, …). On a
     real ``device`` the steps run for real and the plan is a measurement (see ``measure_memory``).
     Raises ``ValueError`` naming a bad model, optimizer, size, dtype or rank.
@@ -174,6 +183,14 @@ def _setting(arguments: dict[str, Any]) -> dict[str, Any]:
     gpu = setting["gpu_memory_gib"]
     if gpu is not None and not gpu > 0:
         raise ValueError(f"gpu memory must be a positive number of GiB, got {gpu!r}")
+    if setting["refresh_from"] not in REFRESH_FROM:
+        raise ValueError(
+            f"unknown refresh_from {setting['refresh_from']!r}; valid: {', '.join(REFRESH_FROM)}"
+        )
+    if setting["refresh_from"] != "step" and not setting["layerwise"]:
+        raise ValueError(
+            f"refresh_from={setting['refresh_from']!r} is a layer-wise option: set layerwise (--layerwise)"
+        )
     rank = setting["rank"]
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0):
         raise ValueError(f"rank must be a positive integer, got {rank!r}")
@@ -220,7 +237,7 @@ def _run(setting: dict[str, Any], options: dict[str, Any], device: torch.device)
     projection = {"rank": setting["rank"]} if setting["rank"] is not None else {}
     optimizer = build_optimizer(model, setting["optimizer"], lr=1e-3, **projection, **options)
     k = setting["accumulation_steps"]
-    handle = layerwise(optimizer, k) if setting["layerwise"] else None
+    handle = layerwise(optimizer, k, refresh_from=setting["refresh_from"]) if setting["layerwise"] else None
     params = list(model.parameters())
     weights = params + list(model.buffers())
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from slimopt.layerwise import layerwise
+from slimopt.layerwise import REFRESH_FROM, layerwise
 from slimopt.memory import state_nbytes
 from slimopt.registry import build_optimizer
 from slimopt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -61,6 +61,7 @@ class TrainConfig:
     bf16: bool = False
     checkpointing: bool = False
     layerwise: bool = False  # update each parameter inside backward (slimopt.layerwise)
+    refresh_from: str = "step"  # layer-wise: a refresh sees the step's gradient or its first micro-batch's
     validation_fraction: float = 0.05
     max_documents: int | None = None
     optimizer_options: dict[str, Any] = field(default_factory=dict)  # rank, states, weight_decay, …
@@ -76,6 +77,10 @@ class TrainConfig:
                 raise ValueError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.lr < 0 or self.warmup < 0 or self.save_every < 0 or self.grad_clip < 0:
             raise ValueError("lr, warmup, save-every and grad-clip must be >= 0")
+        if self.refresh_from not in REFRESH_FROM:
+            raise ValueError(f"unknown refresh-from {self.refresh_from!r}; valid: {', '.join(REFRESH_FROM)}")
+        if self.refresh_from != "step" and not self.layerwise:
+            raise ValueError(f"refresh-from {self.refresh_from} is a layer-wise option: add --layerwise")
         if self.resume and not Path(self.resume).is_dir():
             raise ValueError(f"resume directory {self.resume!r} does not exist")
 
@@ -239,7 +244,11 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     handle = None
     if config.layerwise:
         handle = layerwise(
-            optimizer, config.accumulation, max_grad_norm=config.grad_clip or None, scheduler=schedule
+            optimizer,
+            config.accumulation,
+            max_grad_norm=config.grad_clip or None,
+            scheduler=schedule,
+            refresh_from=config.refresh_from,
         )
 
     bar = _progress(progress, config.steps, start)
