@@ -3,6 +3,7 @@
     python -m benchmarks.memory_planner                    # CPU: small models, exact live bytes
     python -m benchmarks.memory_planner --device cuda --llama-7b   # GPU: the 7B configurations
     python -m benchmarks.memory_planner --llama-7b --model llama_9m --rank 8   # the same path, small
+    python -m benchmarks.memory_planner --llama-7b --predict   # only the planner's 7B breakdown
 
 On the CPU the measured peak is the high-water mark of live tensor bytes of the same two training
 steps the planner runs on the meta device. On CUDA it is ``torch.cuda.max_memory_allocated`` over
@@ -67,6 +68,19 @@ LLAMA_7B: dict[str, dict[str, Any]] = {
     ),
     "int8 states, int8 bases": dict(optimizer="galore_adamw8bit", basis_states="int8"),
     "int8 states, fp32 bases": dict(optimizer="galore_adamw8bit"),
+}
+# Gradient accumulation (4 micro-batches of 1×256), planner only: refreshes from the whole step
+# keep every projected gradient of the first step whole; from the first micro-batch, none.
+LLAMA_7B_ACCUMULATION: dict[str, dict[str, Any]] = {
+    "ternary states, int8 bases, ×4 accumulation": dict(
+        optimizer="galore_adamw_ternary", basis_states="int8", accumulation_steps=4
+    ),
+    "ternary states, int8 bases, ×4 accumulation, refresh from micro-batch": dict(
+        optimizer="galore_adamw_ternary",
+        basis_states="int8",
+        accumulation_steps=4,
+        refresh_from="micro_batch",
+    ),
 }
 LLAMA_7B_COMMON = dict(
     model="llama_7b",
@@ -136,6 +150,18 @@ def llama_7b_row(run: dict[str, Any]) -> str:
     )
 
 
+def llama_7b_predictions(**overrides: Any) -> Iterator[str]:
+    """Table rows of the planner's breakdown (GiB) for the 7B configurations, without running them."""
+    terms = ("weights", "gradients", "optimizer_states", "projection_bases", "accumulation_buffers")
+    terms += ("activations", "workspace")
+    for name, extra in {**LLAMA_7B, **LLAMA_7B_ACCUMULATION}.items():
+        plan = plan_memory(**{**LLAMA_7B_COMMON, **overrides, **extra})
+        between = plan.persistent["optimizer_states"] + plan.persistent["projection_bases"]
+        cells = [f"{plan.peak_bytes / GIB:.2f}", plan.peak_at.split(",")[0]]
+        cells += [f"{plan.at_peak[term] / GIB:.2f}" for term in terms] + [f"{between / GIB:.2f}"]
+        yield f"| {name} | " + " | ".join(cells) + " |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -144,14 +170,26 @@ def main() -> None:
     parser.add_argument("--model", default="llama_7b", help="with --llama-7b: another preset, for a dry run")
     parser.add_argument("--rank", type=int, default=1024, help="with --llama-7b: the GaLore rank")
     parser.add_argument("--vocab-size", type=int, default=32000, help="with --llama-7b: the vocabulary")
+    parser.add_argument(
+        "--predict", action="store_true", help="with --llama-7b: the planner's breakdown only"
+    )
     args = parser.parse_args()
+    overrides = dict(model=args.model, rank=args.rank, vocab_size=args.vocab_size)
+    if args.llama_7b and args.predict:
+        print(
+            "| configuration | peak | at | weights | gradients | states | bases | accumulation | activations "
+            "| workspace | states + bases between steps |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for row in llama_7b_predictions(**overrides):
+            print(row, flush=True)
+        return
     if args.llama_7b:
         print(
             f"| {args.model}, layer-wise, r{args.rank} | predicted GiB | max_memory_allocated GiB "
             "| live bytes GiB | state GiB | step s | first step s |"
         )
         print("|---|---|---|---|---|---|---|")
-        overrides = dict(model=args.model, rank=args.rank, vocab_size=args.vocab_size)
         for run in llama_7b_runs(torch.device(args.device), args.steps, **overrides):
             print(llama_7b_row(run), flush=True)
         return

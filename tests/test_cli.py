@@ -75,7 +75,11 @@ def test_train_runs_logs_evaluates_and_checkpoints(workspace: Path, tmp_path: Pa
     assert json.loads(capsys.readouterr().out)["optimizer"] == "galore_adamw8bit"
 
 
-@pytest.mark.parametrize("mode", [[], ["--layerwise"]], ids=["stepping", "layerwise"])
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["--layerwise"], ["--layerwise", "--refresh-from", "micro_batch"]],
+    ids=["stepping", "layerwise", "layerwise-micro-batch-refresh"],
+)
 def test_resumed_run_repeats_the_uninterrupted_one(workspace: Path, tmp_path: Path, mode: list[str]) -> None:
     common = [
         "--optimizer", "galore_adamw_ternary", "--rank", "8", "--update-proj-gap", "3", "--steps", "10", *mode
@@ -178,6 +182,10 @@ def test_config_file_supplies_options(workspace: Path, tmp_path: Path) -> None:
             "batch size 10 is not a positive multiple",
         ),
         (["train", "--config", "/nonexistent.toml"], "config file '/nonexistent.toml' does not exist"),
+        (
+            ["train", "--refresh-from", "micro_batch"],
+            "refresh_from='micro_batch' is a layer-wise option: add --layerwise",
+        ),
         (["train", "--resume", "/nonexistent/run"], "resume directory '/nonexistent/run' does not exist"),
         (
             ["train", "--tokenizer", "/nonexistent/tokenizer"],

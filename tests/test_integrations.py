@@ -50,12 +50,13 @@ def _args(out: Path, **overrides) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(**{**settings, **overrides})
 
 
-def _train(tokens, out, name, **overrides) -> SlimoptTrainer:
+def _train(tokens, out, name, refresh_from="step", **overrides) -> SlimoptTrainer:
     trainer = SlimoptTrainer(
         model=tiny_llama(),
         args=_args(out, **overrides),
         train_dataset=ShakespeareRows(tokens),
         optimizer_name=name,
+        refresh_from=refresh_from,
     )
     trainer.train()
     return trainer
@@ -85,6 +86,13 @@ def test_layerwise_under_trainer_accumulates_logs_the_right_rate_and_clips(
     assert _logged(layered, "learning_rate") == _logged(stepping, "learning_rate")
     assert _logged(layered, "loss") == pytest.approx(_logged(stepping, "loss"), rel=1e-4)
     assert all(norm > 0 for norm in _logged(layered, "grad_norm"))
+    ranked = _train(
+        shakespeare_tokens, tmp_path / "d", "galore_adamw_layerwise", refresh_from="micro_batch", **common
+    )
+    assert ranked.layerwise_handle.refresh_from == "micro_batch"
+    assert _logged(ranked, "loss")[-1] == pytest.approx(_logged(stepping, "loss")[-1], rel=0.05)
+    with pytest.raises(ValueError, match="is a layer-wise option: use galore_adamw_layerwise"):
+        SlimoptTrainer(model=tiny_llama(), args=_args(tmp_path), refresh_from="micro_batch")
 
     clipped = _train(shakespeare_tokens, tmp_path / "c", "galore_adamw_layerwise", max_grad_norm=0.05)
     optimizer = clipped.optimizer.optimizer

@@ -50,6 +50,15 @@ from slimopt.projection import project
 REFRESH_FROM = ("step", "micro_batch")
 
 
+def check_refresh_from(value: str, layer_wise: bool = True, remedy: str = "") -> None:
+    """Raise ``ValueError`` for an unknown ``refresh_from``, or one other than "step" where
+    layer-wise mode is off (``remedy`` says how to turn it on)."""
+    if value not in REFRESH_FROM:
+        raise ValueError(f"unknown refresh_from {value!r}; valid: {', '.join(REFRESH_FROM)}")
+    if value != "step" and not layer_wise:
+        raise ValueError(f"refresh_from={value!r} is a layer-wise option: {remedy}")
+
+
 class LayerwiseHandle:
     """The hooks of one layer-wise optimizer; ``remove()`` (or leaving a ``with`` block)
     restores normal stepping with ``optimizer.step()``."""
@@ -245,8 +254,7 @@ def layerwise(
         raise ValueError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
-    if refresh_from not in REFRESH_FROM:
-        raise ValueError(f"unknown refresh_from {refresh_from!r}; valid: {', '.join(REFRESH_FROM)}")
+    check_refresh_from(refresh_from)
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise TypeError("ReduceLROnPlateau needs a metric: step it yourself, after evaluation")
     if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:

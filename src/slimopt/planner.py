@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from slimopt.layerwise import REFRESH_FROM, layerwise
+from slimopt.layerwise import check_refresh_from, layerwise
 from slimopt.memory import LiveBytes, storage_nbytes
 from slimopt.optimizer import BASIS_KEYS
 from slimopt.registry import OPTIMIZERS, available_optimizers, build_optimizer, select_target_modules
@@ -183,14 +183,7 @@ def _setting(arguments: dict[str, Any]) -> dict[str, Any]:
     gpu = setting["gpu_memory_gib"]
     if gpu is not None and not gpu > 0:
         raise ValueError(f"gpu memory must be a positive number of GiB, got {gpu!r}")
-    if setting["refresh_from"] not in REFRESH_FROM:
-        raise ValueError(
-            f"unknown refresh_from {setting['refresh_from']!r}; valid: {', '.join(REFRESH_FROM)}"
-        )
-    if setting["refresh_from"] != "step" and not setting["layerwise"]:
-        raise ValueError(
-            f"refresh_from={setting['refresh_from']!r} is a layer-wise option: set layerwise (--layerwise)"
-        )
+    check_refresh_from(setting["refresh_from"], setting["layerwise"], "set layerwise (--layerwise)")
     rank = setting["rank"]
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0):
         raise ValueError(f"rank must be a positive integer, got {rank!r}")

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from slimopt.layerwise import LayerwiseHandle, layerwise
+from slimopt.layerwise import LayerwiseHandle, check_refresh_from, layerwise
 from slimopt.optimizer import GaLoreAdafactor, GaLoreOptimizer
 from slimopt.registry import OPTIMIZERS, OPTION_TYPES, available_optimizers, build_optimizer
 
@@ -112,10 +112,15 @@ def create_optimizer(model: nn.Module, args: Any, name: str) -> GaLoreOptimizer:
 
 class SlimoptTrainer(Trainer):
     """``transformers.Trainer`` with a slimopt optimizer: ``SlimoptTrainer(model, args, ...,
-    optimizer_name="galore_adamw_ternary")``. Everything else is Trainer's."""
+    optimizer_name="galore_adamw_ternary")``. Everything else is Trainer's. ``refresh_from`` is
+    ``slimopt.layerwise``'s option, for a ``_layerwise`` name."""
 
-    def __init__(self, *args: Any, optimizer_name: str = "galore_adamw", **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, optimizer_name: str = "galore_adamw", refresh_from: str = "step", **kwargs: Any
+    ) -> None:
         _, self.layerwise = split_name(optimizer_name)
+        check_refresh_from(refresh_from, self.layerwise, f"use {optimizer_name}{LAYERWISE_SUFFIX}")
+        self.refresh_from = refresh_from
         self.optimizer_name = optimizer_name
         self.layerwise_handle: LayerwiseHandle | None = None
         super().__init__(*args, **kwargs)
@@ -131,6 +136,7 @@ class SlimoptTrainer(Trainer):
                     self.optimizer,
                     self.args.gradient_accumulation_steps,
                     max_grad_norm=self.args.max_grad_norm or None,
+                    refresh_from=self.refresh_from,
                 )
         return self.optimizer
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from slimopt.layerwise import REFRESH_FROM, layerwise
+from slimopt.layerwise import check_refresh_from, layerwise
 from slimopt.memory import state_nbytes
 from slimopt.registry import build_optimizer
 from slimopt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -77,10 +77,7 @@ class TrainConfig:
                 raise ValueError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.lr < 0 or self.warmup < 0 or self.save_every < 0 or self.grad_clip < 0:
             raise ValueError("lr, warmup, save-every and grad-clip must be >= 0")
-        if self.refresh_from not in REFRESH_FROM:
-            raise ValueError(f"unknown refresh-from {self.refresh_from!r}; valid: {', '.join(REFRESH_FROM)}")
-        if self.refresh_from != "step" and not self.layerwise:
-            raise ValueError(f"refresh-from {self.refresh_from} is a layer-wise option: add --layerwise")
+        check_refresh_from(self.refresh_from, self.layerwise, "add --layerwise")
         if self.resume and not Path(self.resume).is_dir():
             raise ValueError(f"resume directory {self.resume!r} does not exist")
 
