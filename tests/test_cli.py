@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from slimopt.cli import main
+from slimopt.planner import plan_memory
 
 from .conftest import SHAKESPEARE
 
@@ -73,6 +74,14 @@ def test_train_runs_logs_evaluates_and_checkpoints(workspace: Path, tmp_path: Pa
     assert summary["steps"] == 12 and summary["state_bytes"] > 0 and summary["val_ppl"] > 1
     assert (out / "checkpoints" / "step-00000012" / "manifest.json").exists()
     assert json.loads(capsys.readouterr().out)["optimizer"] == "galore_adamw8bit"
+    # On the CPU the first two steps are counted exactly (activations and temporaries included):
+    # what the planner predicts for the same model, optimizer and micro-batches.
+    assert [r["step"] for r in history if "memory_bytes" in r] == [1, 2]
+    planned = plan_memory(
+        str(workspace / "tiny"), "galore_adamw8bit", rank=8, batch_size=4, seq_len=32,
+        accumulation_steps=2, dtype="fp32", vocab_size=300,
+    )  # fmt: skip
+    assert summary["peak_memory_bytes"] == pytest.approx(planned.peak_bytes, rel=0.05)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ GaLore paper's schedule). A SIGINT finishes the current step, saves a checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from slimopt.layerwise import check_refresh_from, layerwise
-from slimopt.memory import state_nbytes
+from slimopt.memory import LiveBytes, state_nbytes
 from slimopt.registry import build_optimizer
 from slimopt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from slimopt.train.corpus import load_corpus, split_documents
@@ -161,12 +162,13 @@ def evaluate(model: nn.Module, rows: Tensor, config: TrainConfig, device: torch.
     return sum(losses) / len(losses)
 
 
-def memory_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
-    """Peak allocated bytes on CUDA; on the CPU the exact bytes of parameters, gradients and state."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
-    return sum(t.numel() * t.element_size() for t in tensors) + state_nbytes(optimizer)
+def track_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> LiveBytes:
+    """A ``LiveBytes`` that already counts what lives between steps (weights, buffers, optimizer
+    state), so its ``peak`` over a training step is the step's exact peak of tensor memory."""
+    tracker = LiveBytes()
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    tracker.adopt([*model.parameters(), *model.buffers(), *state])
+    return tracker
 
 
 class _Interrupt:
@@ -248,34 +250,44 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             refresh_from=config.refresh_from,
         )
 
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # a comparison trains several models in one process
     bar = _progress(progress, config.steps, start)
     tokens_per_step = config.batch_size * config.seq_len
     summary: dict[str, Any] = {"optimizer": config.optimizer, "interrupted": False}
+    memory = 0
     with _Interrupt() as interrupt:
         for step in range(start + 1, config.steps + 1):
             began = time.perf_counter()
             loss = 0.0
             lr = schedule.get_last_lr()[0]
-            for _ in range(config.accumulation):
-                batch = batches.take(config.micro_batch_size or config.batch_size).to(device)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-                    micro_loss = model(input_ids=batch, labels=batch).loss / config.accumulation
-                micro_loss.backward()
-                loss += micro_loss.item()
-            if handle is None:
-                if config.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-                optimizer.step()
-                schedule.step()
-            memory = memory_bytes(model, optimizer, device)
-            optimizer.zero_grad(set_to_none=True)
+            # On the CPU the first steps of a run are counted exactly: the first creates the
+            # optimizer state and bases, the second is a steady step (what slimopt memory plans).
+            tracker = track_memory(model, optimizer) if device.type == "cpu" and step <= start + 2 else None
+            with tracker or contextlib.nullcontext():
+                for _ in range(config.accumulation):
+                    batch = batches.take(config.micro_batch_size or config.batch_size).to(device)
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+                        micro_loss = model(input_ids=batch, labels=batch).loss / config.accumulation
+                    micro_loss.backward()
+                    loss += micro_loss.item()
+                    del batch, micro_loss
+                if handle is None:
+                    if config.grad_clip > 0:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+                    optimizer.step()
+                    schedule.step()
+                optimizer.zero_grad(set_to_none=True)
             record = {
                 "step": step,
                 "loss": loss,
                 "lr": lr,
                 "tokens_per_s": tokens_per_step / (time.perf_counter() - began),
-                "memory_bytes": memory,
             }
+            if tracker is not None:
+                record["memory_bytes"] = memory = tracker.peak
+            elif device.type == "cuda":
+                record["memory_bytes"] = memory = torch.cuda.max_memory_allocated(device)
             if step % config.eval_every == 0 or step == config.steps:
                 record["val_loss"] = evaluate(model, validation_rows, config, device)
                 record["val_ppl"] = math.exp(record["val_loss"])
@@ -306,7 +318,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
         "val_loss": evaluations[-1]["val_loss"] if evaluations else None,
         "val_ppl": evaluations[-1]["val_ppl"] if evaluations else None,
         "state_bytes": state_nbytes(optimizer),
-        "peak_memory_bytes": max((r["memory_bytes"] for r in history), default=0),
+        "peak_memory_bytes": max((r["memory_bytes"] for r in history if "memory_bytes" in r), default=0),
         "tokens_per_s": sum(r["tokens_per_s"] for r in history) / max(1, len(history)),
         "parameters": sum(p.numel() for p in model.parameters()),
         "tokenizer": tokenizer.description,
