@@ -192,6 +192,10 @@ def test_cli_prints_the_breakdown_and_a_verdict(capsys) -> None:
         (["--model", "llama_9m", "--optimizer", "adamw", "--seq", "0"], "seq len must be a positive integer"),
         (["--model", "llama_9m", "--optimizer", "galore_adamw", "--rank", "4096"], "rank 4096 is larger"),
         (["--model", "llama_9m", "--optimizer", "adamw", "--measure", "tpu"], "unknown device 'tpu'"),
+        (
+            ["--model", "llama_9m", "--optimizer", "galore_adamw", "--refresh-from", "micro_batch"],
+            "is a layer-wise option: set layerwise (--layerwise)",
+        ),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(extra: list[str], message: str, capsys) -> None:
