@@ -94,8 +94,9 @@ LLAMA_7B_COMMON = dict(
 )
 
 
-def timed_steps(setting: dict[str, Any], device: torch.device, steps: int) -> tuple[float, float, int]:
-    """First-step and mean steady-step seconds of a plain layer-wise loop, and the state bytes."""
+def timed_steps(setting: dict[str, Any], device: torch.device, steps: int) -> dict[str, float]:
+    """Seconds of the first step, of the projection refreshes inside it, and of a steady step
+    (mean of the others) of a plain layer-wise loop; and the state bytes after them."""
     options = {k: v for k, v in setting.items() if k in ("rank", "basis_states", "update_proj_gap")}
     with torch.device(device), default_dtype(torch.bfloat16):
         model = build_llama(setting["model"], setting["vocab_size"], max_seq_len=setting["seq_len"])
@@ -103,19 +104,48 @@ def timed_steps(setting: dict[str, Any], device: torch.device, steps: int) -> tu
     if setting.get("checkpointing"):
         enable_checkpointing(model)
     optimizer = build_optimizer(model, setting["optimizer"], lr=5e-3, **options)
+    refresh_seconds = _time_calls(optimizer, "_refresh", device)
     handle = layerwise(optimizer)
-    times = []
+    times, first_refresh = [], 0.0
     for _ in range(steps):
         batch = torch.randint(
             0, setting["vocab_size"], (setting["batch_size"], setting["seq_len"]), device=device
         )
         began = time.perf_counter()
         model(input_ids=batch, labels=batch).loss.backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         times.append(time.perf_counter() - began)
+        if len(times) == 1:
+            first_refresh = sum(refresh_seconds)
     handle.remove()
-    return times[0], sum(times[1:]) / (len(times) - 1), state_nbytes(optimizer)
+    return dict(
+        first=times[0],
+        first_refresh=first_refresh,
+        steady=sum(times[1:]) / (len(times) - 1),
+        state=state_nbytes(optimizer),
+    )
+
+
+def _time_calls(optimizer: Any, method: str, device: torch.device) -> list[float]:
+    """Wrap ``optimizer.<method>`` so that each call appends its seconds to the returned list."""
+    seconds: list[float] = []
+    original = getattr(optimizer, method)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        _synchronize(device)
+        began = time.perf_counter()
+        result = original(*args, **kwargs)
+        _synchronize(device)
+        seconds.append(time.perf_counter() - began)
+        return result
+
+    setattr(optimizer, method, timed)
+    return seconds
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def llama_7b_runs(device: torch.device, steps: int, **overrides: Any) -> Iterator[dict[str, Any]]:
@@ -130,26 +160,18 @@ def llama_7b_runs(device: torch.device, steps: int, **overrides: Any) -> Iterato
         cuda_peak, live_peak = measured.cuda_max_memory_allocated, measured.peak_bytes
         del measured
         gc.collect()  # the measured model and optimizer hold reference cycles (wrapped methods)
-        first, steady, state = timed_steps(setting, device, steps)
+        timing = timed_steps(setting, device, steps)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        yield dict(
-            name=name,
-            predicted=predicted,
-            cuda=cuda_peak,
-            live=live_peak,
-            state=state,
-            steady=steady,
-            first=first,
-        )
+        yield dict(name=name, predicted=predicted, cuda=cuda_peak, live=live_peak, **timing)
 
 
 def llama_7b_row(run: dict[str, Any]) -> str:
     cuda = "—" if run["cuda"] is None else f"{run['cuda'] / GIB:.2f}"
     return (
         f"| {run['name']} | {run['predicted'] / GIB:.2f} | {cuda} | {run['live'] / GIB:.2f} | "
-        f"{run['state'] / GIB:.2f} | {run['steady']:.3f} | {run['first']:.1f} |"
+        f"{run['state'] / GIB:.2f} | {run['steady']:.3f} | {run['first']:.1f} | {run['first_refresh']:.1f} |"
     )
 
 
@@ -190,9 +212,9 @@ def main() -> None:
     if args.llama_7b:
         print(
             f"| {args.model}, layer-wise, r{args.rank} | predicted GiB | max_memory_allocated GiB "
-            "| live bytes GiB | state GiB | step s | first step s |"
+            "| live bytes GiB | state GiB | step s | first step s | refreshes in it s |"
         )
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
         for run in llama_7b_runs(torch.device(args.device), args.steps, **overrides):
             print(llama_7b_row(run), flush=True)
         return
