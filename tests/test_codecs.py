@@ -82,6 +82,39 @@ def test_blockwise_round_trip_is_within_half_a_map_gap(name, states, kind, code_
         assert (decoded[values > 0] > 0).all()
 
 
+@pytest.mark.parametrize(
+    ("states", "kind", "code_map"),
+    [
+        ("int8", "linear", dynamic_map(True)),
+        ("int8", "square", dynamic_map(False)),
+        ("int4", "linear", dynamic_map(True, 4, 3)),
+        ("int4", "square", linear_map_without_zero(4)),
+    ],
+)
+def test_table_lookup_gives_the_nearest_code_as_bucketize_does(states, kind, code_map) -> None:
+    """Codes come from a lookup table by the top bits of each value; the reference is a binary
+    search (``torch.bucketize``) over the midpoints, on random values, on every midpoint and
+    its two fp32 neighbours (where a search is decided), and on ±0."""
+    midpoints = (code_map[1:] + code_map[:-1]) / 2
+    neighbours = [midpoints.nextafter(midpoints + 1), midpoints, midpoints.nextafter(midpoints - 1)]
+    generator = torch.Generator().manual_seed(0)
+    spread = torch.rand(2**20, generator=generator) * 2 - 1
+    spread = spread * torch.rand(2**20, generator=generator) ** 8  # many values near zero
+    values = torch.cat([*neighbours, spread, torch.tensor([0.0, -0.0])]).clamp(-1, 1)
+    if kind == "square":
+        values = values.abs()
+    block = 128
+    blocks = torch.nn.functional.pad(values, (0, -values.numel() % (block - 1))).view(-1, block - 1)
+    blocks = torch.cat([torch.ones(len(blocks), 1), blocks], dim=1)  # absmax 1: codes see the values
+    codec = moment_codec(states, kind, blocks.shape, block)
+    decoded = codec.decode(codec.encode(blocks), blocks.shape)
+    nearest = torch.bucketize(blocks, midpoints)
+    if kind == "square":  # positive values never take the zero code
+        zero = int((code_map == 0).nonzero()) if (code_map == 0).any() else -1
+        nearest = torch.where((blocks > 0) & (nearest == zero), zero + 1, nearest)
+    assert torch.equal(decoded, code_map[nearest])
+
+
 @pytest.mark.parametrize("name", SAMPLES)
 def test_int8_relative_error_on_typical_values(name) -> None:
     """Above a tenth of the block maximum the map's codes are 0.0141 apart (64 per decade), so

@@ -76,6 +76,26 @@ def test_prediction_matches_the_same_steps_measured_on_cpu(name: str, gqa_config
     assert predicted.peak_at == measured.peak_at
 
 
+def test_live_bytes_leave_out_process_caches() -> None:
+    """A codec's lookup table is copied to a device on first use, maybe inside a tracked step;
+    it lives as long as the process, so it is not memory of that step on any device."""
+    from slimopt.codecs.blockwise import BlockwiseCodec
+    from slimopt.codecs.maps import dynamic_map
+    from slimopt.memory import LiveBytes, untracked
+
+    tracker = LiveBytes()
+    with tracker:
+        kept = torch.zeros(1000)
+        with untracked():
+            cache = torch.zeros(100_000)
+    assert tracker.peak == kept.nbytes and cache.numel() == 100_000
+    codec = BlockwiseCodec(dynamic_map(signed=True), 256)
+    tracker = LiveBytes()
+    with tracker:
+        codec.encode(torch.empty(4096, device="meta"))
+    assert 4096 * 4 <= tracker.peak < 4096 * 20  # the encode's temporaries, not the 128 KiB table
+
+
 def test_state_terms_equal_state_nbytes_of_a_real_optimizer(shakespeare_tokens) -> None:
     from slimopt.train.models import build_llama
 

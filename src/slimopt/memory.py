@@ -12,7 +12,8 @@ rounding.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import Tensor
@@ -40,6 +41,21 @@ def storage_nbytes(tensors: Iterable[Tensor]) -> int:
         storage = tensor.untyped_storage()
         seen[id(storage)] = storage.nbytes()
     return sum(seen.values())
+
+
+_untracked_depth = 0
+
+
+@contextmanager
+def untracked() -> Iterator[None]:
+    """Tensors created inside the block are not counted by any ``LiveBytes``: for caches that
+    live as long as the process (a codec's lookup table on a device), not memory of a step."""
+    global _untracked_depth
+    _untracked_depth += 1
+    try:
+        yield
+    finally:
+        _untracked_depth -= 1
 
 
 class LiveBytes(TorchDispatchMode):
@@ -84,6 +100,8 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
+        if _untracked_depth:
+            return result
         # An output on an input's storage (a view, an in-place or out= result) is no allocation.
         inputs = {id(v.untyped_storage()) for v in tree_flatten((args, kwargs))[0] if isinstance(v, Tensor)}
         for value in tree_flatten(result)[0]:
