@@ -77,8 +77,8 @@ def test_prediction_matches_the_same_steps_measured_on_cpu(name: str, gqa_config
 
 
 def test_live_bytes_leave_out_process_caches() -> None:
-    """A codec's lookup table is copied to a device on first use, maybe inside a tracked step;
-    it lives as long as the process, so it is not memory of that step on any device."""
+    """A codec's lookup table is made, and copied to a device, on first use, maybe inside a
+    tracked step; it lives as long as the process, so it is not memory of that step."""
     from slimopt.codecs.blockwise import BlockwiseCodec
     from slimopt.codecs.maps import dynamic_map
     from slimopt.memory import LiveBytes, untracked
@@ -89,10 +89,9 @@ def test_live_bytes_leave_out_process_caches() -> None:
         with untracked():
             cache = torch.zeros(100_000)
     assert tracker.peak == kept.nbytes and cache.numel() == 100_000
-    codec = BlockwiseCodec(dynamic_map(signed=True), 256)
     tracker = LiveBytes()
-    with tracker:
-        codec.encode(torch.empty(4096, device="meta"))
+    with tracker:  # codecs are made on first use, which may be inside a step too
+        BlockwiseCodec(dynamic_map(signed=True), 256).encode(torch.empty(4096, device="meta"))
     assert 4096 * 4 <= tracker.peak < 4096 * 20  # the encode's temporaries, not the 128 KiB table
 
 

@@ -42,10 +42,11 @@ class BlockwiseCodec:
         self.positive_floor = positive_floor
         # Index of the zero code (computed once on the CPU: no device sync per encode).
         self.zero_code = int(torch.searchsorted(code_map, torch.zeros(())))
-        midpoints = (code_map[1:] + code_map[:-1]) / 2
-        # After the last midpoint +inf: a value in the top bucket never moves past the last code.
-        self._search = (code_map, torch.cat([midpoints, midpoints.new_full((1,), torch.inf)]))
-        self._search += (_first_codes(midpoints),)
+        with untracked():  # codecs are cached for the whole process; so are their tables
+            midpoints = (code_map[1:] + code_map[:-1]) / 2
+            # After the last midpoint +inf: a value in the top bucket never moves past the last code.
+            self._search = (code_map, torch.cat([midpoints, midpoints.new_full((1,), torch.inf)]))
+            self._search += (_first_codes(midpoints),)
         self._device_maps: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
 
     def _maps(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
