@@ -148,14 +148,17 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def llama_7b_runs(device: torch.device, steps: int, **overrides: Any) -> Iterator[dict[str, Any]]:
+def llama_7b_runs(
+    device: torch.device, steps: int, predict: bool = True, **overrides: Any
+) -> Iterator[dict[str, Any]]:
     """Predicted and measured peaks, state bytes and step times of each ``LLAMA_7B`` configuration.
 
-    ``overrides`` replace entries of ``LLAMA_7B_COMMON`` (a small model for a dry run).
+    ``overrides`` replace entries of ``LLAMA_7B_COMMON`` (a small model for a dry run);
+    ``predict=False`` leaves the planner out (``predicted`` None), to save device time.
     """
     for name, extra in LLAMA_7B.items():
         setting = {**LLAMA_7B_COMMON, **overrides, **extra}
-        predicted = plan_memory(**setting).peak_bytes
+        predicted = plan_memory(**setting).peak_bytes if predict else None
         measured = measure_memory(**setting, device=device.type)
         cuda_peak, live_peak = measured.cuda_max_memory_allocated, measured.peak_bytes
         del measured
@@ -168,9 +171,9 @@ def llama_7b_runs(device: torch.device, steps: int, **overrides: Any) -> Iterato
 
 
 def llama_7b_row(run: dict[str, Any]) -> str:
-    cuda = "—" if run["cuda"] is None else f"{run['cuda'] / GIB:.2f}"
+    cuda, predicted = ("—" if run[k] is None else f"{run[k] / GIB:.2f}" for k in ("cuda", "predicted"))
     return (
-        f"| {run['name']} | {run['predicted'] / GIB:.2f} | {cuda} | {run['live'] / GIB:.2f} | "
+        f"| {run['name']} | {predicted} | {cuda} | {run['live'] / GIB:.2f} | "
         f"{run['state'] / GIB:.2f} | {run['steady']:.3f} | {run['first']:.1f} | {run['first_refresh']:.1f} |"
     )
 
@@ -198,6 +201,9 @@ def main() -> None:
     parser.add_argument(
         "--predict", action="store_true", help="with --llama-7b: the planner's breakdown only"
     )
+    parser.add_argument(
+        "--no-predict", action="store_true", help="with --llama-7b: measure only (saves device time)"
+    )
     args = parser.parse_args()
     overrides = dict(model=args.model, rank=args.rank, vocab_size=args.vocab_size)
     if args.llama_7b and args.predict:
@@ -215,7 +221,7 @@ def main() -> None:
             "| live bytes GiB | state GiB | step s | first step s | refreshes in it s |"
         )
         print("|---|---|---|---|---|---|---|---|")
-        for run in llama_7b_runs(torch.device(args.device), args.steps, **overrides):
+        for run in llama_7b_runs(torch.device(args.device), args.steps, not args.no_predict, **overrides):
             print(llama_7b_row(run), flush=True)
         return
     print("| configuration (vocab 32000) | predicted bytes | measured bytes | error | peak at |")

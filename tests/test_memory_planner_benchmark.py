@@ -23,3 +23,7 @@ def test_llama_7b_script_runs_every_configuration_on_a_small_model() -> None:
     by_name = {run["name"]: run for run in runs}
     assert by_name["ternary states, int8 bases"]["state"] < by_name["int8 states, int8 bases"]["state"]
     assert by_name["int8 states, int8 bases"]["state"] < by_name["int8 states, fp32 bases"]["state"]
+    measured_only = next(
+        llama_7b_runs(torch.device("cpu"), 2, False, model="llama_9m", rank=32, vocab_size=512)
+    )
+    assert measured_only["predicted"] is None and "| — | — |" in llama_7b_row(measured_only)
