@@ -22,8 +22,7 @@ from typing import Any
 import torch
 
 from slimopt import build_optimizer, layerwise, state_nbytes
-from slimopt.planner import measure_memory, plan_memory
-from slimopt.train.models import build_llama, default_dtype, enable_checkpointing
+from slimopt.planner import build_model, measure_memory, plan_memory
 
 GIB = 2**30
 
@@ -98,11 +97,7 @@ def timed_steps(setting: dict[str, Any], device: torch.device, steps: int) -> di
     """Seconds of the first step, of the projection refreshes inside it, and of a steady step
     (mean of the others) of a plain layer-wise loop; and the state bytes after them."""
     options = {k: v for k, v in setting.items() if k in ("rank", "basis_states", "update_proj_gap")}
-    with torch.device(device), default_dtype(torch.bfloat16):
-        model = build_llama(setting["model"], setting["vocab_size"], max_seq_len=setting["seq_len"])
-    model.to(torch.bfloat16)
-    if setting.get("checkpointing"):
-        enable_checkpointing(model)
+    model = build_model({"dtype": "bf16", "checkpointing": False, **setting}, device)
     optimizer = build_optimizer(model, setting["optimizer"], lr=5e-3, **options)
     refresh_seconds = _time_calls(optimizer, "_refresh", device)
     handle = layerwise(optimizer)

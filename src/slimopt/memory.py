@@ -22,16 +22,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+def state_tensors(optimizer: Optimizer) -> list[Tensor]:
+    """Every tensor in ``optimizer.state`` (step counters and other Python numbers left out)."""
+    return [
+        value for state in optimizer.state.values() for value in state.values() if isinstance(value, Tensor)
+    ]
+
+
 def state_nbytes(optimizer: Optimizer) -> int:
     """Return the bytes of every tensor in ``optimizer.state``: moments or their codes, scales,
     factored statistics and projection bases (padding of the last quantization block included).
     Step counters and other Python numbers are not counted."""
-    return sum(
-        value.numel() * value.element_size()
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, Tensor)
-    )
+    return sum(value.numel() * value.element_size() for value in state_tensors(optimizer))
 
 
 def storage_nbytes(tensors: Iterable[Tensor]) -> int:

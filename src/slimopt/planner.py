@@ -190,7 +190,9 @@ def _setting(arguments: dict[str, Any]) -> dict[str, Any]:
     return setting
 
 
-def _build_model(setting: dict[str, Any], device: torch.device) -> nn.Module:
+def build_model(setting: dict[str, Any], device: torch.device) -> nn.Module:
+    """The model of a planner ``setting`` (``model``, ``vocab_size``, ``seq_len``, ``dtype``,
+    ``checkpointing``) on ``device``, built directly in its dtype and in training mode."""
     from slimopt.train.models import LLAMA_PRESETS, build_llama, default_dtype, enable_checkpointing
 
     with torch.device(device), default_dtype(DTYPES[setting["dtype"]]):
@@ -225,7 +227,7 @@ def _check_rank(model: nn.Module, setting: dict[str, Any], options: dict[str, An
 
 def _run(setting: dict[str, Any], options: dict[str, Any], device: torch.device) -> MemoryPlan:
     torch.manual_seed(0)
-    model = _build_model(setting, device)
+    model = build_model(setting, device)
     _check_rank(model, setting, options)
     projection = {"rank": setting["rank"]} if setting["rank"] is not None else {}
     optimizer = build_optimizer(model, setting["optimizer"], lr=1e-3, **projection, **options)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from slimopt.layerwise import check_refresh_from, layerwise
-from slimopt.memory import LiveBytes, state_nbytes
+from slimopt.memory import LiveBytes, state_nbytes, state_tensors
 from slimopt.registry import build_optimizer
 from slimopt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from slimopt.train.corpus import load_corpus, split_documents
@@ -166,8 +166,7 @@ def track_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> LiveByte
     """A ``LiveBytes`` that already counts what lives between steps (weights, buffers, optimizer
     state), so its ``peak`` over a training step is the step's exact peak of tensor memory."""
     tracker = LiveBytes()
-    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    tracker.adopt([*model.parameters(), *model.buffers(), *state])
+    tracker.adopt([*model.parameters(), *model.buffers(), *state_tensors(optimizer)])
     return tracker
 
 
