@@ -105,7 +105,10 @@ def rotate(moment: Tensor, old: Basis, new: Basis, *, squared: bool) -> Tensor:
     ``Q = Vh_new Vh_oldᵀ`` on the right). For a second moment only the diagonal of the rotated
     covariance can be kept; assuming uncorrelated coordinates it is ``v ← (Q ⊙ Q) v``, which stays
     non-negative and equals the exact answer when the new basis is a permutation of the old.
+    An infinite second moment (an overflowed g²) is saturated first: 0 · inf would be NaN.
     """
+    if squared:
+        moment = moment.clamp(max=torch.finfo(moment.dtype).max)
     if old.left is not None and new.left is not None:
         change = new.left.T @ old.left
         moment = (change * change if squared else change) @ moment

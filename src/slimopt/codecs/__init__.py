@@ -12,10 +12,12 @@ second moment ("square", non-negative), and on its size.
 | bf16      | bf16, stochastic rounding            | bf16, stochastic rounding                       |
 | int8      | dynamic map, signed, block 256       | dynamic map, unsigned, block 256, no zero for v>0 |
 | int4      | 4-bit dynamic map, block 128         | 4-bit linear map without zero, block 128         |
-| ternary   | {-1,0,+1}, SR, 5 per byte, scale     | factored row/column means (matrices), else int4 |
-|           | row·col × per-block-of-8 byte        |                                                 |
+| ternary   | {-1,0,+1}, SR, 5 per byte, scale     | factored row/column means (matrices of at least |
+|           | row·col × per-block-of-8 byte        | 32×32), else int4                               |
 
-Moments with fewer than ``MIN_COMPRESSED_NUMEL`` elements stay fp32.
+Moments with fewer than ``MIN_COMPRESSED_NUMEL`` elements stay fp32. Ternary row and column
+statistics cost 4 bytes per row (column), so they are kept only along dimensions of at least 32
+(``slimopt.codecs.ternary.scale_layout``): a 1×n or n×1 matrix costs what a vector does.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from slimopt.codecs.blockwise import BlockwiseCodec
 from slimopt.codecs.factored import FactoredCodec
 from slimopt.codecs.maps import dynamic_map, linear_map_without_zero
 from slimopt.codecs.plain import Bf16Codec, Fp32Codec
-from slimopt.codecs.ternary import TernaryCodec
+from slimopt.codecs.ternary import MIN_SCALED_LENGTH, TernaryCodec, scale_layout
 
 STATE_FORMATS = ("fp32", "bf16", "int8", "int4", "ternary")
 DEFAULT_BLOCK_SIZES = {"int8": 256, "int4": 128, "ternary": 8}
@@ -82,9 +84,12 @@ def moment_codec(states: str, kind: str, shape: torch.Size, block_size: int | No
     if states == "int8":
         return _int8(kind, size)
     if states == "ternary" and kind == "square":
-        return _factored() if len(shape) >= 2 else _int4(kind, block_size or DEFAULT_BLOCK_SIZES["int4"])
+        if len(shape) >= 2 and min(shape[-2:]) >= MIN_SCALED_LENGTH:
+            return _factored()
+        return _int4(kind, block_size or DEFAULT_BLOCK_SIZES["int4"])
     if states == "ternary":
-        return _ternary(size, len(shape) >= 2)
+        row_scale, col_scale = scale_layout(shape)
+        return _ternary(size, row_scale, col_scale)
     return _int4(kind, size)
 
 
@@ -105,8 +110,8 @@ def _factored() -> Codec:
 
 
 @cache
-def _ternary(block_size: int, matrix: bool) -> Codec:
-    return TernaryCodec(block_size, matrix=matrix)
+def _ternary(block_size: int, row_scale: bool, col_scale: bool) -> Codec:
+    return TernaryCodec(block_size, row_scale=row_scale, col_scale=col_scale)
 
 
 @cache

@@ -3,6 +3,8 @@
 Decoding gives the rank-1 matrix ``row_i · col_j / mean(row)``, whose row and column means are
 the stored ones, so decode → EMA update → encode is exactly Adafactor's factored moving average.
 A positive element makes its row and column means positive, so it never decodes to zero.
+Means saturate at ``FLOAT32_MAX / max(m, n)``, so neither an overflowing sum nor decoding (at
+most m times a column mean) ever gives infinity or NaN.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor
+
+from slimopt.codecs.plain import FLOAT32_MAX
 
 
 class FactoredCodec:
@@ -21,7 +25,8 @@ class FactoredCodec:
 
     def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         value = value.float()
-        return {"row": value.mean(dim=-1), "col": value.mean(dim=-2)}
+        ceiling = FLOAT32_MAX / max(value.shape[-1], value.shape[-2])
+        return {"row": value.mean(dim=-1).clamp_(max=ceiling), "col": value.mean(dim=-2).clamp_(max=ceiling)}
 
     def decode(self, stored: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
         row, col = stored["row"], stored["col"]

@@ -7,6 +7,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+# Compressed codecs saturate infinite moments to this: a scale of inf would decode 0 · inf = NaN.
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 class Fp32Codec:
     """Stores the fp32 tensor itself: decode and encode are free and share memory."""

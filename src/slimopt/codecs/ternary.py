@@ -8,14 +8,16 @@ stochastic rounding moves it by the right amount on average.
 The rounding noise of an element grows with s/|x|, so the scale must follow the magnitudes
 closely. It is the product of
 
-- a rank-1 part ``row_i · col_j`` for matrices (row maxima, then column maxima of the
-  row-normalized matrix; a single absmax for vectors): a GaLore moment has rows or columns along
-  singular directions whose magnitudes differ by orders of magnitude, and
+- a row scale and a column scale (row maxima, then column maxima of the row-normalized
+  matrix): a GaLore moment has rows or columns along singular directions whose magnitudes
+  differ by orders of magnitude. Each vector costs 4 bytes per row (column), so it is kept only
+  where it costs at most 1/8 byte per element, i.e. along a dimension of at least 32 rows
+  (columns): a 1×n or n×1 matrix, or a vector, gets a single scale;
 - a per-block part, one byte per block of 8: the block's maximum rounded up to a power of
   2^(1/4) (code e stands for 2^(-e/4)).
 
 Five ternary digits fit in a byte (3^5 = 243), so a large matrix costs 1/5 + 1/8 = 0.325 bytes
-per element.
+per element. Infinite values saturate at the largest fp32 number.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from functools import cache
 
 import torch
 from torch import Tensor
+
+from slimopt.codecs.plain import FLOAT32_MAX
 
 TRITS_PER_BYTE = 5
 EXPONENT_STEPS_PER_OCTAVE = 4
@@ -49,27 +53,46 @@ def _pad(flat: Tensor, multiple: int) -> Tensor:
     return torch.cat([flat, flat.new_zeros(padding)]) if padding else flat
 
 
+# A row (column) scale is kept when the matrix has at least this many columns (rows): 4 bytes
+# per row over 32 columns is 1/8 byte per element.
+MIN_SCALED_LENGTH = 32
+
+
+def matrix_shape(shape: torch.Size) -> tuple[int, int]:
+    """(rows, columns) of the 2-D view a moment is scaled in: ``shape[0] × rest``, or one row."""
+    if len(shape) < 2:
+        return 1, shape.numel()
+    return shape[0], shape.numel() // max(shape[0], 1)
+
+
+def scale_layout(shape: torch.Size) -> tuple[bool, bool]:
+    """(row scale?, column scale?) for a moment of ``shape``; at least one is kept."""
+    rows, cols = matrix_shape(shape)
+    col_scale = rows >= MIN_SCALED_LENGTH
+    return cols >= MIN_SCALED_LENGTH or not col_scale, col_scale
+
+
 class TernaryCodec:
-    """{-1, 0, +1} × (rank-1 or absmax scale) × per-block power-of-2^(1/4) scale."""
+    """{-1, 0, +1} × row scale × column scale × per-block power-of-2^(1/4) scale."""
 
     stochastic = True
 
-    def __init__(self, block_size: int, *, matrix: bool) -> None:
+    def __init__(self, block_size: int, *, row_scale: bool, col_scale: bool) -> None:
         self.block_size = block_size
-        self.matrix = matrix
-        self.parts = ("codes", "exponents", "row", "col") if matrix else ("codes", "exponents", "row")
+        self.row_scale = row_scale
+        self.col_scale = col_scale
+        self.parts = ("codes", "exponents") + ("row",) * row_scale + ("col",) * col_scale
 
     def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         stored: dict[str, Tensor] = {}
-        if self.matrix:
-            normalized = value.float().reshape(value.shape[0], -1)
+        rows, cols = matrix_shape(value.shape)
+        normalized = value.float().reshape(rows, cols).clamp(-FLOAT32_MAX, FLOAT32_MAX)
+        if self.row_scale:
             stored["row"] = normalized.abs().amax(dim=1)
-            normalized = normalized / _safe(stored["row"]).unsqueeze(1)
+            normalized.div_(_safe(stored["row"]).unsqueeze(1))
+        if self.col_scale:
             stored["col"] = normalized.abs().amax(dim=0)
             normalized.div_(_safe(stored["col"]))
-        else:
-            stored["row"] = value.abs().amax().float().reshape(1)
-            normalized = value.float() / _safe(stored["row"])
         blocks = _pad(normalized.reshape(-1), self.block_size).view(-1, self.block_size)
         block_max = blocks.abs().amax(dim=1)
         exponents = torch.ceil(-EXPONENT_STEPS_PER_OCTAVE * torch.log2(block_max)).clamp_(0, 255)
@@ -85,10 +108,12 @@ class TernaryCodec:
         digits = _tables(exponents.device)[1].index_select(0, stored["codes"].int()).reshape(-1)
         signs = digits[: exponents.numel() * self.block_size].float().sub_(1).view(-1, self.block_size)
         values = (signs * _exponent_scale(exponents.float()).unsqueeze(1)).reshape(-1)[: shape.numel()]
-        if self.matrix:
-            row, col = stored["row"], stored["col"]
-            return (values.view(row.numel(), col.numel()) * row.unsqueeze(1) * col).view(shape)
-        return (values * stored["row"]).view(shape)
+        values = values.view(matrix_shape(shape))
+        if self.row_scale:
+            values = values * stored["row"].unsqueeze(1)
+        if self.col_scale:
+            values = values * stored["col"]
+        return values.view(shape)
 
 
 def _exponent_scale(exponents: Tensor) -> Tensor:
