@@ -3,7 +3,7 @@
 ``GaLoreAdamW`` and ``GaLoreAdafactor`` are drop-in ``torch.optim`` optimizers (galore-torch's
 param-group convention) with fp32, bf16, int8, int4 or ternary moments (``states=``);
 ``build_optimizer`` configures one for a model by name; ``layerwise`` makes it update inside
-backward; ``state_nbytes`` counts its state.
+backward; ``state_nbytes`` counts its state and ``decoded_state`` reads a parameter's moments.
 """
 
 from slimopt.layerwise import LayerwiseHandle, layerwise
@@ -16,6 +16,7 @@ from slimopt.optimizer import (
     GaLoreAdamW,
     GaLoreAdamW8bit,
     GaLoreOptimizer,
+    decoded_state,
 )
 from slimopt.registry import available_optimizers, build_optimizer, select_target_modules
 
@@ -30,6 +31,7 @@ __all__ = [
     "LayerwiseHandle",
     "available_optimizers",
     "build_optimizer",
+    "decoded_state",
     "layerwise",
     "select_target_modules",
     "state_nbytes",

@@ -11,16 +11,19 @@ plain rule. All arithmetic is fp32 whatever the parameter dtype.
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from slimopt import loading
 from slimopt.codecs import STATE_FORMATS, moment_codec, state_key
-from slimopt.codecs.rows import row_sliced_storage, row_slices, sliced
+from slimopt.codecs.rows import RowSlicedStorage, row_sliced_storage, row_slices, sliced
 from slimopt.projection import (
     PROJ_METHODS,
     PROJ_TYPES,
@@ -79,17 +82,37 @@ class GaLoreOptimizer(Optimizer):
         """Add a group (see ``torch.optim.Optimizer``); raises ``ValueError`` for bad hyperparameters."""
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
-        group = self.param_groups[index]
-        errors = (
-            self.rule.validate(group)
-            + _weight_decay_errors(group)
-            + _storage_errors(group)
-            + _projection_errors(group)
-        )
+        errors = self._group_errors(self.param_groups[index])
         if errors:
             self.param_groups.pop()
             raise ValueError(f"param group {index}: " + "; ".join(errors))
         self._ordinals = None
+
+    def _group_errors(self, group: dict[str, Any]) -> list[str]:
+        """One message per invalid setting of a complete param group."""
+        return (
+            self.rule.validate(group)
+            + _weight_decay_errors(group)
+            + _storage_errors(group)
+            + _projection_errors(group)
+            + self._complex_errors(group)
+        )
+
+    def _complex_errors(self, group: dict[str, Any]) -> list[str]:
+        """Complex parameters are updated as real pairs (as torch.optim does), which is exact
+        only for an elementwise rule without projection."""
+        shapes = [
+            tuple(p.shape)
+            for p in group["params"]
+            if p.is_complex() and (_projected(p, group) or not self.rule.elementwise)
+        ]
+        if not shapes:
+            return []
+        where = "a projected group (with rank)" if self.rule.elementwise else type(self).__name__
+        return [
+            f"complex parameters {shapes} cannot be updated by {where}; put them in a param "
+            "group without rank of an AdamW optimizer (updated as real pairs, like torch.optim)"
+        ]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -128,11 +151,23 @@ class GaLoreOptimizer(Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict, keeping every state tensor in its saved dtype.
+        """Load a state dict of this optimizer, of one with another storage format, or of
+        ``torch.optim.AdamW`` (see ``slimopt.loading``); moments keep this optimizer's storage.
 
-        ``torch.optim.Optimizer`` casts floating state to the parameter dtype, which would turn
-        fp32 moments and bases of bf16 parameters into bf16 and break exact resumption.
+        Raises ``ValueError`` when the state dict projects differently, comes from another
+        update rule, or holds hyperparameters this optimizer rejects. Every state tensor keeps
+        its saved dtype: ``torch.optim.Optimizer`` would cast fp32 moments and bases of bf16
+        parameters to bf16 and break exact resumption.
         """
+        if not loading.is_slimopt_state_dict(state_dict):
+            state_dict = loading.from_torch_adam(self, state_dict)
+        loading.check_layout(self, state_dict)
+        pairs = zip(state_dict["param_groups"], self.param_groups, strict=False)
+        for index, (saved, current) in enumerate(pairs):
+            errors = self._group_errors({**saved, "params": current["params"]})
+            if errors:
+                raise ValueError(f"param group {index} of the state dict: " + "; ".join(errors))
+        storage = [{key: group[key] for key in loading.STORAGE_KEYS} for group in self.param_groups]
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         saved_state = state_dict["state"]
         super().load_state_dict(state_dict)
@@ -142,6 +177,7 @@ class GaLoreOptimizer(Optimizer):
                 if isinstance(value, Tensor):
                     self.state[param][key] = value.to(device=param.device, copy=True)
         self._ordinals = None
+        loading.restore_storage(self, storage)
 
     def _update(self, param: Tensor, group: dict[str, Any]) -> None:
         prepared = self._gradient_in_space(param, group, param.grad)
@@ -149,7 +185,7 @@ class GaLoreOptimizer(Optimizer):
             self._apply_update(param, group, *prepared)
 
     def _projects(self, param: Tensor, group: dict[str, Any]) -> bool:
-        return "rank" in group and param.dim() >= 2
+        return _projected(param, group)
 
     def _needs_full_gradient(self, param: Tensor, group: dict[str, Any]) -> bool:
         """Whether this step of ``param`` needs its whole gradient: it is not projected, or its
@@ -169,7 +205,7 @@ class GaLoreOptimizer(Optimizer):
 
     @staticmethod
     def _basis_shapes(param: Tensor, group: dict[str, Any]) -> tuple[torch.Size, torch.Size]:
-        rows, cols = _as_matrix(param).shape
+        rows, cols = _matrix_shape(param.shape)
         rank = min(group["rank"], rows, cols)
         return torch.Size((rows, rank)), torch.Size((rank, cols))
 
@@ -200,7 +236,7 @@ class GaLoreOptimizer(Optimizer):
         if not state:
             self._init_state(param, group, state)
         if not self._projects(param, group):
-            return grad, None
+            return _real(grad), None
         basis = self._refreshed_basis(param, group, grad)
         if basis is None:
             self._skip(param, state, "no projection basis could be computed yet")
@@ -223,10 +259,11 @@ class GaLoreOptimizer(Optimizer):
         if not _all_finite(grad):
             self._skip(param, state, "non-finite gradient")
             return
-        if basis is None and self.rule.elementwise and sliced(param.shape):
+        if self._by_row_slices(param, group):
             self._apply_by_row_slices(param, group, grad)
             return
-        grad = grad.float()
+        # Contiguous, so that moments created like it and the direction have a 2-D view.
+        grad = grad.float().contiguous()
         generator = self._rounding_generator(param, state, group, grad.shape)
         if "moment_step" not in state:
             for key, value in self.rule.init_state(grad, group, projected=basis is not None).items():
@@ -240,39 +277,41 @@ class GaLoreOptimizer(Optimizer):
         direction = self.rule.direction(grad, {**state, **moments}, age, group)
         for key, value in moments.items():
             self._encode(state, key, value, group, generator)
-        lr = self.rule.step_size(group, param, age)
-        weights = _as_matrix(param)
-        if basis is None:
-            _update_weights(weights, _as_matrix(direction), lr, 1.0, group["weight_decay"])
-            return
-        # Back-projected a slice of rows at a time: no full-size fp32 update of a large matrix.
-        for rows in row_slices(*weights.shape):
-            _update_weights(
-                weights[rows], project_back(direction, basis, rows), lr, group["scale"], group["weight_decay"]
-            )
+        with _matrix_of(param) as weights:
+            lr = self.rule.step_size(group, weights, state["step"])
+            if basis is None:
+                _update_weights(weights, _as_matrix(direction), lr, 1.0, group["weight_decay"])
+                return
+            # Back-projected a slice of rows at a time: no full-size fp32 update of a large matrix.
+            for rows in row_slices(*weights.shape):
+                update = project_back(direction, basis, rows)
+                _update_weights(weights[rows], update, lr, group["scale"], group["weight_decay"])
+
+    def _by_row_slices(self, param: Tensor, group: dict[str, Any]) -> bool:
+        """Whether an update of ``param`` (and its moments' storage) goes by slices of rows."""
+        return not self._projects(param, group) and self.rule.elementwise and sliced(_real(param).shape)
 
     def _apply_by_row_slices(self, param: Tensor, group: dict[str, Any], grad: Tensor) -> None:
         """An elementwise rule on a large unprojected matrix, one slice of rows at a time; its
         moments are stored by slices (``slimopt.codecs.rows``)."""
+        with _matrix_of(param) as weights:
+            self._update_by_row_slices(param, weights, group, _as_matrix(grad))
+
+    def _update_by_row_slices(
+        self, param: Tensor, weights: Tensor, group: dict[str, Any], grad: Tensor
+    ) -> None:
         state = self.state[param]
-        weights, grad = _as_matrix(param), _as_matrix(grad)
-        storages = {
-            key: row_sliced_storage(group["states"], kind, *weights.shape, group["block_size"])
-            for key, kind in self.rule.moment_kinds.items()
-        }
+        storages = self._row_storages(param, group)
         first = "moment_step" not in state
         if first:
             for key, storage in storages.items():
-                for part, tensor in storage.allocate(param.device).items():
+                for part, tensor in storage.allocate(param.device, _real(param).shape).items():
                     state[state_key(key, part)] = tensor
             state["moment_step"] = 0
-        stored = {
-            key: {part: state[state_key(key, part)] for part in storage.sizes}
-            for key, storage in storages.items()
-        }
+        stored = {key: _stored_parts(state, key, storage.sizes) for key, storage in storages.items()}
         generator = self._rounding_generator(param, state, group, grad.shape)
         age = self._advance(state)
-        lr = self.rule.step_size(group, param, age)
+        lr = self.rule.step_size(group, weights, state["step"])
         for index, rows in enumerate(row_slices(*weights.shape)):
             slice_grad = grad[rows].float()
             if first:
@@ -283,6 +322,71 @@ class GaLoreOptimizer(Optimizer):
             for key, storage in storages.items():
                 storage.encode(stored[key], index, moments[key], generator)
             _update_weights(weights[rows], direction, lr, 1.0, group["weight_decay"])
+
+    def _row_storages(self, param: Tensor, group: dict[str, Any]) -> dict[str, RowSlicedStorage]:
+        """The slice-by-slice layout of each moment of a matrix updated by slices of rows."""
+        rows, cols = _matrix_shape(_real(param).shape)
+        return {
+            key: row_sliced_storage(group["states"], kind, rows, cols, group["block_size"])
+            for key, kind in self.rule.moment_kinds.items()
+        }
+
+    def decoded_state(self, param: Tensor) -> dict[str, Tensor]:
+        """The fp32 value of every moment of ``param``, whatever its storage format.
+
+        Unprojected moments have the parameter's shape (its real pairs, ``shape + (2,)``, for a
+        complex parameter); a projected matrix's are in its rank-r space (``projected_shape``).
+        Adafactor's factored statistics are returned as stored. Empty before the parameter's
+        first update; raises ``KeyError`` for a tensor that is not a parameter of this optimizer.
+        """
+        group = self._group_of(param)
+        state = self.state.get(param, {})
+        if "moment_step" not in state:
+            return {}
+        moment_parts = set()
+        if self._projects(param, group):
+            shape = projected_shape(_matrix_shape(param.shape), self._basis(param, group))
+        else:
+            shape = _real(param).shape
+        if self._by_row_slices(param, group):
+            moments = {}
+            for key, storage in self._row_storages(param, group).items():
+                moments[key] = storage.decode_all(_stored_parts(state, key, storage.sizes)).view(shape)
+                moment_parts |= {state_key(key, part) for part in storage.sizes}
+        else:
+            moments = self._decode_all(state, group, shape)
+            for key, kind in self.rule.moment_kinds.items():
+                codec = moment_codec(group["states"], kind, shape, group["block_size"])
+                moment_parts |= {state_key(key, part) for part in codec.parts}
+        for key, value in state.items():  # the rule's own statistics (Adafactor's factored ones)
+            if isinstance(value, Tensor) and key not in moment_parts and key.split(".")[0] not in BASIS_KEYS:
+                moments[key] = value
+        return moments
+
+    def _store_moments(self, param: Tensor, group: dict[str, Any], moments: dict[str, Tensor]) -> None:
+        """Encode ``moments`` (as ``decoded_state`` gives them) with ``group``'s storage format,
+        replacing the stored ones."""
+        state = self.state[param]
+        stored = [key for key, value in state.items() if isinstance(value, Tensor)]
+        for key in [key for key in stored if key.split(".")[0] not in BASIS_KEYS]:
+            del state[key]
+        shapes = {key: value.shape for key, value in moments.items()}
+        generator = self._rounding_generator(param, state, group, next(iter(shapes.values())))
+        storages = self._row_storages(param, group) if self._by_row_slices(param, group) else {}
+        for key, value in moments.items():
+            if key in storages:
+                for part, stored in storages[key].encode_all(value, generator).items():
+                    state[state_key(key, part)] = stored
+            elif key in self.rule.moment_kinds:
+                self._encode(state, key, value, group, generator)
+            else:
+                state[key] = value
+
+    def _group_of(self, param: Tensor) -> dict[str, Any]:
+        for group in self.param_groups:
+            if any(p is param for p in group["params"]):
+                return group
+        raise KeyError(f"tensor {tuple(param.shape)} is not a parameter of this optimizer")
 
     @staticmethod
     def _advance(state: dict[str, Any]) -> int:
@@ -303,7 +407,7 @@ class GaLoreOptimizer(Optimizer):
     def _param_ordinals(self) -> dict[Tensor, tuple[int, int, int]]:
         """Map each parameter to (ordinal, ordinal among projected matrices, projected count)."""
         if self._ordinals is None:
-            projected = [p for g in self.param_groups if "rank" in g for p in g["params"] if p.dim() >= 2]
+            projected = [p for g in self.param_groups for p in g["params"] if _projected(p, g)]
             projected_index = {p: i for i, p in enumerate(projected)}
             every = [p for g in self.param_groups for p in g["params"]]
             self._ordinals = {
@@ -318,11 +422,18 @@ class GaLoreOptimizer(Optimizer):
         return (state["step"] - state["refresh_offset"]) % group["update_proj_gap"] == 0
 
     def _refresh(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        """Replace the basis of ``param``; on failure keep the old one and warn."""
+        """Replace the basis of ``param``; when the gradient is non-finite or all zero, or the
+        decomposition fails, keep the old one and warn."""
         old = self._basis(param, group)
         has_old = old is not None
         if not _all_finite(grad):
             self._warn(param, state, "non-finite gradient at a projection refresh; keeping the old basis")
+            return
+        if not grad.is_meta and not bool(grad.any()):
+            # Its singular vectors would be arbitrary: a random basis, and moments rotated away.
+            # Without an old basis the update is skipped, and says so.
+            if has_old:
+                self._warn(param, state, "all-zero gradient at a projection refresh; keeping the old basis")
             return
         generator = None
         if group["proj_method"] == "subspace":
@@ -417,15 +528,55 @@ class GaLoreOptimizer(Optimizer):
         )
 
 
+def decoded_state(optimizer: GaLoreOptimizer, param: Tensor) -> dict[str, Tensor]:
+    """The fp32 moments of ``param`` in ``optimizer``, whatever their storage format: in the
+    parameter's shape, or a projected matrix's rank-r space (see
+    ``GaLoreOptimizer.decoded_state``)."""
+    return optimizer.decoded_state(param)
+
+
 def _step_seed(state: dict[str, Any]) -> int:
     """A seed unique to this parameter and step, so a resumed run draws what an uninterrupted
     one would."""
     return state["seed"] * 1_000_003 + state["step"]
 
 
+def _projected(param: Tensor, group: dict[str, Any]) -> bool:
+    """Whether ``param`` is projected: a non-empty tensor of two or more dimensions in a group
+    with ``rank``."""
+    return "rank" in group and param.dim() >= 2 and param.numel() > 0
+
+
+def _real(tensor: Tensor) -> Tensor:
+    """A complex tensor as real pairs (``torch.view_as_real``, as torch.optim does), else itself."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
+    """``shape[0] × rest`` (one row for a vector or a scalar)."""
+    if len(shape) < 2:
+        return 1, shape.numel()
+    return shape[0], math.prod(shape[1:])
+
+
 def _as_matrix(tensor: Tensor) -> Tensor:
-    """A 2-D view: ``shape[0] × rest`` (one row for a vector or a scalar)."""
-    return tensor.view(tensor.shape[0], -1) if tensor.dim() >= 2 else tensor.view(1, -1)
+    """``tensor`` as ``shape[0] × rest`` (one row for a vector or a scalar): a view where the
+    layout allows one, else a copy."""
+    return tensor.reshape(_matrix_shape(tensor.shape))
+
+
+@contextmanager
+def _matrix_of(param: Tensor) -> Iterator[Tensor]:
+    """A writable ``shape[0] × rest`` view of ``param``'s values (of its real pairs, if complex).
+    A parameter whose layout has no such view (channels_last) is updated in a contiguous copy
+    that is written back at the end."""
+    values = _real(param)
+    if values.is_contiguous():
+        yield _as_matrix(values)
+        return
+    copy = values.contiguous()
+    yield _as_matrix(copy)
+    values.copy_(copy)
 
 
 def _update_weights(
@@ -441,6 +592,11 @@ def _update_weights(
         target.add_(direction, alpha=-lr * scale)
     if target is not weights:
         weights.copy_(target)
+
+
+def _stored_parts(state: dict[str, Any], key: str, parts: Iterable[str]) -> dict[str, Tensor]:
+    """The stored tensors of moment ``key``, by part."""
+    return {part: state[state_key(key, part)] for part in parts}
 
 
 def _state_device(state: dict[str, Any]) -> torch.device:

@@ -6,7 +6,8 @@ of a 7B model. The optimizer instead updates such a matrix a slice of rows at a 
 (``row_slices``), and its moments are stored so that each slice decodes and encodes on its own:
 every slice is encoded with the codec its shape gets, and each stored part (codes, scales, …) is
 the flat concatenation of the slices' parts. Quantization blocks and scales therefore never
-straddle two slices.
+straddle two slices. A part with one value per element (fp32 and bf16 moments) is the slices
+stacked, so it keeps the matrix's shape, as torch.optim's moments keep the parameter's.
 """
 
 from __future__ import annotations
@@ -50,24 +51,47 @@ class RowSlicedStorage:
         self.layout: list[dict[str, tuple[int, torch.Size]]] = []  # per slice: part -> (offset, shape)
         self.sizes: dict[str, int] = {}
         self.dtypes: dict[str, torch.dtype] = {}
+        self.shape = torch.Size((rows, cols))
+        per_element: dict[str, bool] = {}
         for rows_slice in self.slices:
             shape = torch.Size((rows_slice.stop - rows_slice.start, cols))
             codec = moment_codec(states, kind, shape, block_size)
             parts = _part_shapes(codec, shape)
             entry = {}
             for part, (part_shape, dtype) in parts.items():
+                per_element[part] = per_element.get(part, True) and part_shape == shape
                 entry[part] = (self.sizes.get(part, 0), part_shape)
                 self.sizes[part] = self.sizes.get(part, 0) + part_shape.numel()
                 self.dtypes[part] = dtype
             self.codecs.append((codec, shape))
             self.layout.append(entry)
+        self.per_element = {part for part, every in per_element.items() if every}
 
-    def allocate(self, device: torch.device) -> dict[str, Tensor]:
-        """Empty flat tensors for every part (each slice is written by ``encode``)."""
+    def allocate(self, device: torch.device, shape: torch.Size | None = None) -> dict[str, Tensor]:
+        """Empty tensors for every part (each slice is written by ``encode``): ``shape`` (the
+        parameter's, default rows × cols) for a part with one value per element, flat for the
+        others."""
         return {
-            part: torch.empty(size, dtype=self.dtypes[part], device=device)
+            part: torch.empty(
+                (shape or self.shape) if part in self.per_element else torch.Size((size,)),
+                dtype=self.dtypes[part],
+                device=device,
+            )
             for part, size in self.sizes.items()
         }
+
+    def decode_all(self, stored: dict[str, Tensor]) -> Tensor:
+        """The whole fp32 moment, rows × cols."""
+        return torch.cat([self.decode(stored, index) for index in range(len(self.slices))])
+
+    def encode_all(self, value: Tensor, generator: torch.Generator | None) -> dict[str, Tensor]:
+        """Stored parts for a whole fp32 moment (of rows × elements, in any shape); per-element
+        parts keep ``value``'s shape."""
+        stored = self.allocate(value.device, value.shape)
+        matrix = value.reshape(self.shape)
+        for index, rows in enumerate(self.slices):
+            self.encode(stored, index, matrix[rows], generator)
+        return stored
 
     def decode(self, stored: dict[str, Tensor], index: int) -> Tensor:
         """The fp32 moment of slice ``index``."""
@@ -90,8 +114,8 @@ class RowSlicedStorage:
                 target.copy_(encoded)
 
 
-def _view(flat: Tensor, offset: int, shape: torch.Size) -> Tensor:
-    return flat[offset : offset + shape.numel()].view(shape)
+def _view(stored: Tensor, offset: int, shape: torch.Size) -> Tensor:
+    return stored.view(-1)[offset : offset + shape.numel()].view(shape)
 
 
 @cache

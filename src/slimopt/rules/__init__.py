@@ -37,6 +37,8 @@ class UpdateRule(Protocol):
         """Advance the moments in ``state`` with ``grad`` (step number ``age``, from 1) and return
         the update direction, which the shell scales by ``-step_size``."""
 
-    def step_size(self, group: dict[str, Any], param: Tensor, age: int) -> float | Tensor:
-        """Return the learning rate for this step of ``param`` (fp32 view of the weights): a
-        number, or a 0-d tensor on the parameter's device when it depends on the weights."""
+    def step_size(self, group: dict[str, Any], weights: Tensor, step: int) -> float | Tensor:
+        """Return the learning rate for step ``step`` (from 1) of a parameter with values
+        ``weights``: a number, or a 0-d tensor on the parameter's device when it depends on the
+        weights. ``step`` counts the parameter's steps, not the age of its moments (a subspace
+        change with the "reset" policy restarts the moments, not the schedule)."""

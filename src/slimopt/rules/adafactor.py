@@ -82,12 +82,12 @@ class AdafactorRule:
             update = state["exp_avg"].clone()
         return update
 
-    def step_size(self, group: dict[str, Any], param: Tensor, age: int) -> float | Tensor:
-        step = group["lr"]
+    def step_size(self, group: dict[str, Any], weights: Tensor, step: int) -> float | Tensor:
+        size = group["lr"]
         if group["relative_step"]:
-            ceiling = 1e-6 * age if group["warmup_init"] else 1e-2
-            step = min(ceiling, 1.0 / math.sqrt(age))
+            ceiling = 1e-6 * step if group["warmup_init"] else 1e-2
+            size = min(ceiling, 1.0 / math.sqrt(step))
         if group["scale_parameter"]:
             # A 0-d tensor: reading the RMS on the host would synchronize a GPU once per parameter.
-            return _rms(param).clamp_(min=group["eps"][1]).mul_(step)
-        return step
+            return _rms(weights).clamp_(min=group["eps"][1]).mul_(size)
+        return size

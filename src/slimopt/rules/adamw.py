@@ -49,5 +49,5 @@ class AdamWRule:
         torch.div(exp_avg, direction, out=direction)
         return direction.div_(bias_correction1)
 
-    def step_size(self, group: dict[str, Any], param: Tensor, age: int) -> float:
+    def step_size(self, group: dict[str, Any], weights: Tensor, step: int) -> float:
         return group["lr"]

@@ -1,0 +1,163 @@
+"""What ``load_state_dict`` accepts besides a slimopt optimizer's own state dict.
+
+Like ``torch.optim``, a loaded state dict brings its hyperparameters (``lr``, ``betas`` …) with
+it. Two kinds of state dict are converted on the way in:
+
+- **Another storage format.** A moment's format is the loading optimizer's choice (``states``,
+  ``block_size``, ``basis_states`` of its groups), not the checkpoint's: moments and bases saved
+  in another format are decoded and re-encoded, so an ``AdamW8bit`` that loads a ``GaLoreAdamW``
+  checkpoint keeps int8 moments (switching format mid-run).
+- **torch.optim.AdamW / Adam.** Its fp32 moments and step counts become the loading
+  optimizer's (in its storage format), so a run can switch from ``torch.optim.AdamW`` to a
+  slimopt optimizer. Full-size moments have no exact counterpart in a rank-r subspace, so a
+  projected parameter with saved moments is refused, as are AMSGrad, ``maximize`` and Adam's
+  coupled (L2) weight decay, which slimopt does not compute.
+
+Which parameters are projected, at what rank and on which side cannot change on load (the bases
+and moments would not fit): a difference raises ``ValueError`` naming the group.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from slimopt.optimizer import GaLoreOptimizer
+
+STORAGE_KEYS = ("states", "block_size", "basis_states")
+# Group keys of torch.optim.Adam/AdamW that slimopt has no use for when they hold these values.
+TORCH_ADAM_NEUTRAL = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": None,
+    "differentiable": False,
+    "fused": None,
+}
+TORCH_ADAM_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}
+
+
+def is_slimopt_state_dict(state_dict: dict[str, Any]) -> bool:
+    """Whether ``state_dict`` was written by a slimopt optimizer (its groups name a storage)."""
+    return all("states" in group for group in state_dict["param_groups"])
+
+
+def from_torch_adam(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` of ``torch.optim.AdamW`` (or ``Adam`` without weight decay) rewritten as a
+    slimopt state dict with fp32 moments for ``optimizer``. Raises ``ValueError`` for a state
+    dict of another optimizer, options slimopt does not compute, or saved moments of a projected
+    parameter."""
+    from slimopt.rules import AdamWRule
+
+    name = type(optimizer).__name__
+    if not isinstance(optimizer.rule, AdamWRule):
+        raise ValueError(f"this state dict is not a slimopt one; {name} can load only its own")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the state dict has {len(saved_groups)} param groups, this optimizer "
+            f"{len(optimizer.param_groups)}"
+        )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ordinals = {}
+    groups = []
+    for index, (saved, current) in enumerate(zip(saved_groups, optimizer.param_groups, strict=True)):
+        _check_torch_adam_group(index, saved)
+        group = {key: value for key, value in current.items() if key != "params"}
+        group |= {key: value for key, value in saved.items() if key not in TORCH_ADAM_NEUTRAL}
+        group.pop("decoupled_weight_decay", None)
+        group |= {"states": "fp32", "block_size": None, "basis_states": "fp32"}
+        groups.append(group)
+        for saved_id in saved["params"]:
+            ordinals[saved_id] = (len(ordinals), current)
+    state = {}
+    for saved_id, saved_state in state_dict["state"].items():
+        ordinal, current = ordinals[saved_id]
+        param = params[ordinal]
+        unknown = set(saved_state) - TORCH_ADAM_STATE_KEYS
+        if unknown:
+            raise ValueError(f"parameter {ordinal}: unknown Adam state {', '.join(sorted(unknown))}")
+        if optimizer._projects(param, current) and "exp_avg" in saved_state:
+            raise ValueError(
+                f"parameter {ordinal} {tuple(param.shape)} is projected (rank={current['rank']}): "
+                "full-size Adam moments have no exact counterpart in its rank-r subspace; load this "
+                "state dict into an optimizer without rank groups, or drop its 'state' to start "
+                "the moments afresh"
+            )
+        step = int(saved_state.get("step", 0))
+        converted: dict[str, Any] = {"step": step, "moment_step": step, "nonfinite_skips": 0, "seed": ordinal}
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in saved_state:
+                moment = saved_state[key]
+                converted[key] = (torch.view_as_real(moment) if moment.is_complex() else moment).float()
+        if "exp_avg" not in converted:
+            del converted["moment_step"]
+        state[saved_id] = converted
+    return {"state": state, "param_groups": groups}
+
+
+def _check_torch_adam_group(index: int, group: dict[str, Any]) -> None:
+    missing = [key for key in ("lr", "betas", "eps", "weight_decay") if key not in group]
+    if missing:
+        raise ValueError(
+            f"param group {index} of the state dict has no {', '.join(missing)}: it is neither a "
+            "slimopt nor a torch.optim.Adam/AdamW state dict"
+        )
+    for key in ("amsgrad", "maximize", "differentiable"):
+        if group.get(key):
+            raise ValueError(
+                f"param group {index} of the state dict has {key}=True, which slimopt does not do"
+            )
+    if group.get("decoupled_weight_decay") is False and group["weight_decay"] != 0:
+        raise ValueError(
+            f"param group {index} of the state dict is torch.optim.Adam's with L2 weight decay "
+            f"{group['weight_decay']}; slimopt decouples weight decay (AdamW): set weight_decay=0 in "
+            "the state dict's group, or save from torch.optim.AdamW"
+        )
+
+
+def check_layout(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None:
+    """Raise ``ValueError`` when the state dict's groups project differently from the optimizer's
+    or were written by an optimizer with another update rule."""
+    for index, (saved, current) in enumerate(
+        zip(state_dict["param_groups"], optimizer.param_groups, strict=False)
+    ):
+        # torch.optim adds "differentiable" to the defaults after the groups are made.
+        missing = sorted(set(optimizer.defaults) - set(saved) - {"rank", "differentiable"})
+        if missing:
+            raise ValueError(
+                f"param group {index} of the state dict has no {', '.join(missing)}: it was saved by "
+                f"an optimizer with another update rule than {type(optimizer).__name__}'s"
+            )
+        for key in ("rank", "proj_type"):
+            if saved.get(key) != current.get(key):
+                raise ValueError(
+                    f"param group {index}: the state dict was saved with {key}={saved.get(key)!r}, this "
+                    f"optimizer has {key}={current.get(key)!r}; projection cannot change on load, so "
+                    "construct the optimizer as the checkpoint's was"
+                )
+
+
+def restore_storage(optimizer: GaLoreOptimizer, storage: list[dict[str, Any]]) -> None:
+    """Re-encode the loaded moments and bases of each group whose storage differs from
+    ``storage`` (the loading optimizer's own choice per group), and adopt that storage."""
+    for group, wanted in zip(optimizer.param_groups, storage, strict=True):
+        if all(group[key] == wanted[key] for key in STORAGE_KEYS):
+            continue
+        contents = {}
+        for param in group["params"]:
+            if param in optimizer.state:
+                basis = optimizer._basis(param, group) if optimizer._projects(param, group) else None
+                contents[param] = (optimizer.decoded_state(param), basis)
+        group.update(wanted)
+        for param, (moments, basis) in contents.items():
+            state = optimizer.state[param]
+            for key in [k for k, v in state.items() if isinstance(v, Tensor)]:
+                del state[key]
+            if moments:
+                optimizer._store_moments(param, group, moments)
+            if basis is not None:
+                optimizer._store_basis(param, group, basis)
