@@ -47,3 +47,26 @@ def test_projected_second_moment_is_whole_and_unprojected_is_factored() -> None:
     assert optimizer.state[projected]["exp_avg"].shape == (20, 3)
     assert optimizer.state[plain]["exp_avg_sq_row"].shape == (20,)
     assert optimizer.state[plain]["exp_avg_sq_col"].shape == (12,)
+
+
+def test_relative_step_follows_the_parameter_step_through_a_moment_reset() -> None:
+    """With warmup_init the relative step grows as 1e-6·t; a "reset" at a refresh restarts the
+    moments, not the schedule (Hugging Face's Adafactor counts the parameter's steps)."""
+    torch.manual_seed(0)
+    param = torch.randn(64, 48, requires_grad=True)
+    optimizer = GaLoreAdafactor(
+        [{"params": [param], "rank": 8, "update_proj_gap": 10}],
+        warmup_init=True,
+        scale_parameter=False,
+        on_subspace_change="reset",
+        stagger=False,
+    )
+    sizes = []
+    for _ in range(22):
+        before = param.detach().clone()
+        param.grad = gradient(0, (64, 48))  # constant: every clipped Adafactor update has RMS 1
+        optimizer.step()
+        sizes.append((param.detach() - before).square().mean().sqrt().item())
+    # RMS(Δ) ∝ lr_t = 1e-6 · t; steps 10 and 20 (0-based) come right after a reset.
+    for step in (9, 10, 11, 20, 21):
+        assert sizes[step] / sizes[step - 1] == pytest.approx((step + 1) / step, rel=1e-3), step

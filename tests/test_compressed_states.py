@@ -12,6 +12,7 @@ from slimopt import (
     GaLoreAdafactor,
     GaLoreAdamW,
     GaLoreAdamW8bit,
+    decoded_state,
     state_nbytes,
 )
 
@@ -223,6 +224,25 @@ def test_state_nbytes_counts_every_stored_tensor() -> None:
     blocks = projected // 256
     expected = 2 * projected + 2 * blocks * 4 + 64 * 256 * 4  # codes, fp32 absmax, fp32 basis
     assert state_nbytes(optimizer) == expected
+
+
+@pytest.mark.parametrize("shape", [(1, 16384), (16384, 1), (16384,), (2, 8192), (8192, 2)])
+def test_ternary_states_of_thin_matrices_cost_what_a_vector_does(shape) -> None:
+    """Row or column statistics as long as the matrix would cost 4 bytes per element: a thin
+    matrix gets the vector layout (one scale, int4 second moment)."""
+    weight = torch.randn(shape, requires_grad=True)
+    optimizer = AdamWTernary([weight], lr=1e-3)
+    weight.grad = torch.randn(shape)
+    optimizer.step()
+    vector = torch.randn(16384, requires_grad=True)
+    reference = AdamWTernary([vector], lr=1e-3)
+    vector.grad = torch.randn(16384)
+    reference.step()
+    assert state_nbytes(optimizer) <= state_nbytes(reference) + 64  # a few more scales at most
+    assert state_nbytes(optimizer) / weight.numel() < 0.9
+    decoded = decoded_state(optimizer, weight)["exp_avg"]
+    assert decoded.shape == weight.shape
+    assert torch.corrcoef(torch.stack([decoded.flatten(), weight.grad.flatten()]))[0, 1] > 0.1
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from slimopt import build_optimizer
+from slimopt import GaLoreAdafactor, GaLoreAdamW, GaLoreAdamW8bit, build_optimizer, decoded_state
 
 from .conftest import tiny_llama
 
@@ -91,3 +91,130 @@ def test_state_dict_holds_only_tensors_and_numbers() -> None:
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
                 assert value.dtype == torch.float32, key
+
+
+def _steps(params, optimizer, start, count):
+    for step in range(start, start + count):
+        for index, param in enumerate(params):
+            generator = torch.Generator().manual_seed(100 * step + index)
+            param.grad = torch.randn(param.shape, generator=generator)
+        optimizer.step()
+
+
+def _params(seed=0):
+    torch.manual_seed(seed)
+    return [torch.randn(256, 96, requires_grad=True), torch.randn(96, requires_grad=True)]
+
+
+@pytest.mark.parametrize(("states", "tolerance"), [("fp32", 1e-6), ("int8", 2e-3), ("ternary", 3e-2)])
+def test_a_torch_adamw_state_dict_continues_in_any_storage(states, tolerance) -> None:
+    """Switching from torch.optim.AdamW mid-run: its moments and step counts carry over."""
+    reference_params = _params()
+    reference = torch.optim.AdamW(reference_params, lr=1e-2, weight_decay=0.1)
+    _steps(reference_params, reference, 0, 3)
+    saved = roundtrip(reference.state_dict())
+    params = [p.detach().clone().requires_grad_() for p in reference_params]
+    optimizer = GaLoreAdamW(params, lr=1.0, states=states)  # lr, betas, … come from the state dict
+    optimizer.load_state_dict(saved)
+    assert optimizer.param_groups[0]["lr"] == 1e-2 and optimizer.param_groups[0]["states"] == states
+    assert optimizer.state[params[0]]["step"] == 3
+    if states != "fp32":
+        assert any(key.startswith("exp_avg.") for key in optimizer.state[params[0]])
+    second = decoded_state(optimizer, params[0])["exp_avg_sq"]
+    expected = reference.state[reference_params[0]]["exp_avg_sq"]
+    if states == "ternary":  # factored: the row and column means are what is kept
+        second, expected = second.mean(1), expected.mean(1)
+    assert relative(second, expected) < 0.02
+    _steps(reference_params, reference, 3, 4)
+    _steps(params, optimizer, 3, 4)
+    for ours, theirs in zip(params, reference_params, strict=True):
+        assert relative(ours.detach(), theirs.detach()) < tolerance
+
+
+def test_a_checkpoint_of_another_storage_format_is_reencoded() -> None:
+    """AdamW8bit loading a fp32 GaLoreAdamW checkpoint keeps int8 moments (bases too)."""
+    params = _params()
+    groups = [{"params": params[:1], "rank": 64}, {"params": params[1:]}]
+    fp32 = GaLoreAdamW(groups, lr=1e-2)
+    _steps(params, fp32, 0, 3)
+    saved = roundtrip(fp32.state_dict())
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    int8 = GaLoreAdamW8bit(
+        [{"params": copies[:1], "rank": 64}, {"params": copies[1:]}], lr=1e-2, basis_states="int8"
+    )
+    int8.load_state_dict(saved)
+    state = int8.state[copies[0]]
+    assert state["exp_avg.codes"].dtype == torch.uint8 and state["basis_right.codes"].dtype == torch.uint8
+    assert int8.param_groups[0]["states"] == "int8"
+    expected = decoded_state(fp32, params[0])["exp_avg"]
+    assert relative(decoded_state(int8, copies[0])["exp_avg"], expected) < 0.02
+    _steps(params, fp32, 3, 2)
+    _steps(copies, int8, 3, 2)
+    assert relative(copies[0].detach(), params[0].detach()) < 1e-3
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_moments_of_a_large_matrix_transplant_into_torch_adamw() -> None:
+    """Moments keep the parameter's shape even when the update goes by slices of rows."""
+    param = torch.randn(1024, 4097, requires_grad=True)  # over 2²² elements: sliced
+    optimizer = GaLoreAdamW([param], lr=1e-3)
+    param.grad = torch.randn(1024, 4097)
+    optimizer.step()
+    state = optimizer.state[param]
+    assert state["exp_avg"].shape == state["exp_avg_sq"].shape == param.shape
+    reference = torch.optim.AdamW([param], lr=1e-3)
+    groups = reference.state_dict()["param_groups"]
+    reference.load_state_dict(optimizer.state_dict() | {"param_groups": groups})
+    assert torch.equal(reference.state[param]["exp_avg"], state["exp_avg"])
+
+
+@pytest.mark.parametrize(
+    ("make_saved", "make_loader", "message"),
+    [
+        (
+            lambda p: torch.optim.AdamW(p, amsgrad=True),
+            lambda p: GaLoreAdamW(p),
+            "amsgrad=True, which slimopt does not do",
+        ),
+        (
+            lambda p: torch.optim.Adam(p, weight_decay=0.1),
+            lambda p: GaLoreAdamW(p),
+            "L2 weight decay",
+        ),
+        (
+            lambda p: torch.optim.AdamW(p),
+            lambda p: GaLoreAdamW([{"params": p, "rank": 8}]),
+            r"parameter 0 \(256, 96\) is projected \(rank=8\)",
+        ),
+        (
+            lambda p: torch.optim.SGD(p, lr=0.1),
+            lambda p: GaLoreAdamW(p),
+            "neither a slimopt nor a torch.optim.Adam/AdamW state dict",
+        ),
+        (
+            lambda p: GaLoreAdafactor(p, lr=1e-2),
+            lambda p: GaLoreAdamW(p),
+            "another update rule than GaLoreAdamW's",
+        ),
+        (
+            lambda p: GaLoreAdamW([{"params": p, "rank": 8}]),
+            lambda p: GaLoreAdamW([{"params": p, "rank": 16}]),
+            "saved with rank=8, this optimizer has rank=16",
+        ),
+        (
+            lambda p: torch.optim.AdamW(p),
+            lambda p: GaLoreAdafactor(p, lr=1e-2),
+            "GaLoreAdafactor can load only its own",
+        ),
+    ],
+)
+def test_state_dicts_that_cannot_be_loaded_exactly_are_refused(make_saved, make_loader, message) -> None:
+    params = _params()
+    saved = make_saved(params)
+    _steps(params, saved, 0, 1)
+    loader = make_loader([p.detach().clone().requires_grad_() for p in params])
+    with pytest.raises(ValueError, match=message):
+        loader.load_state_dict(roundtrip(saved.state_dict()))
