@@ -336,3 +336,39 @@ def test_groups_replaced_by_load_state_dict_are_the_ones_used(shakespeare_tokens
         optimizer.load_state_dict(state)
         _backward(model, _batches(shakespeare_tokens, 1)[0], 1)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), start, strict=True))
+
+
+def _train_with_a_late_layer(tokens, layer_wise: bool, change: str) -> dict[str, torch.Tensor]:
+    """10 steps; the second layer's MLP joins at step 5, by add_param_group or by unfreezing."""
+    model = tiny_llama()
+    late = list(model.model.layers[1].mlp.parameters())
+    if change == "add_param_group":
+        for param in late:
+            param.requires_grad_(False)
+    optimizer = _optimizer(model, "galore_adamw")
+    if change == "unfreeze":
+        for param in late:
+            param.requires_grad_(False)
+    handle = slimopt.layerwise(optimizer) if layer_wise else None
+    for step, batch in enumerate(_batches(tokens, 10)):
+        if step == 5:
+            for param in late:
+                param.requires_grad_(True)
+            if change == "add_param_group":
+                optimizer.add_param_group({"params": late, "rank": 8, "update_proj_gap": 5})
+        _backward(model, batch, 1)
+        if handle is None:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert all(param.grad is None for param in model.parameters())
+    return {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize("change", ["add_param_group", "unfreeze"])
+def test_parameters_added_or_unfrozen_later_are_trained(shakespeare_tokens, change):
+    stepping = _train_with_a_late_layer(shakespeare_tokens, False, change)
+    layer_wise = _train_with_a_late_layer(shakespeare_tokens, True, change)
+    for name, value in stepping.items():
+        assert torch.equal(value, layer_wise[name]), name
+    initial = dict(tiny_llama().named_parameters())["model.layers.1.mlp.gate_proj.weight"]
+    assert not torch.equal(layer_wise["model.layers.1.mlp.gate_proj.weight"], initial)

@@ -28,6 +28,9 @@ exist at the same time:
 - **optimizer.step()** is not needed; called anyway it ends the current optimizer step early
   (``finish_step``) and does nothing at a step boundary, so loops and trainers that call it keep
   their meaning. A closure cannot be honoured and raises.
+- **Parameters added or unfrozen later** are trained too: a group added with
+  ``optimizer.add_param_group`` is hooked at once, and frozen parameters are hooked from the
+  start, so ``requires_grad_()`` on them later needs nothing else.
 - **Checkpoints** use the optimizer's normal ``state_dict`` between optimizer steps; asking for
   it halfway through an accumulation raises instead of losing the partial sums.
 
@@ -85,10 +88,30 @@ class LayerwiseHandle:
         self._norms: list[Tensor] = []  # pre-clip norms of this step's updated tensors
         # Global norm of the gradients the rules saw in the last step, before clipping.
         self.last_grad_norm: Tensor | None = None
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._groups if p.requires_grad
-        ]
+        self._hooks: list[Any] = []
+        self._watched: set[Tensor] = set()
+        self.watch(list(self._groups))
         optimizer._layerwise = self
+
+    def watch(self, params: list[Tensor]) -> None:
+        """Hook ``params`` (the optimizer calls this for a group added while layer-wise).
+
+        Frozen parameters are hooked too, so one unfrozen later (``requires_grad_()``) is
+        trained from its first gradient on. Raises ``ValueError`` for a non-leaf tensor."""
+        for param in params:
+            if param.requires_grad and not param.is_leaf:
+                raise ValueError(f"parameter {tuple(param.shape)} is not a leaf tensor; hooks need leaves")
+        for param in params:
+            if param in self._watched or not (param.is_floating_point() or param.is_complex()):
+                continue
+            frozen = not param.requires_grad
+            # torch hooks only tensors that require gradients; the hook outlives the flag.
+            param.requires_grad_(True)
+            try:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_gradient))
+            finally:
+                param.requires_grad_(not frozen)
+            self._watched.add(param)
 
     def _group_map(self) -> dict[Tensor, dict[str, Any]]:
         # Rebuilt at every backward: load_state_dict (accelerate.prepare, a resume) replaces the
@@ -110,6 +133,7 @@ class LayerwiseHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._watched.clear()
         if self.pending:
             warnings.warn(
                 f"slimopt: layer-wise mode removed after {self.micro_step} of {self.accumulation_steps} "
@@ -267,8 +291,4 @@ def layerwise(
             "layer-wise mode under torch.distributed would update from unaveraged local gradients; "
             "run without layer-wise mode or with one process"
         )
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.requires_grad and not param.is_leaf:
-                raise ValueError(f"parameter {tuple(param.shape)} is not a leaf tensor; hooks need leaves")
     return LayerwiseHandle(optimizer, accumulation_steps, max_grad_norm, scheduler, refresh_from)

@@ -87,6 +87,12 @@ class GaLoreOptimizer(Optimizer):
             self.param_groups.pop()
             raise ValueError(f"param group {index}: " + "; ".join(errors))
         self._ordinals = None
+        if self._layerwise is not None:  # layer-wise mode trains the new parameters too
+            try:
+                self._layerwise.watch(self.param_groups[index]["params"])
+            except ValueError:
+                self.param_groups.pop()
+                raise
 
     def _group_errors(self, group: dict[str, Any]) -> list[str]:
         """One message per invalid setting of a complete param group."""
