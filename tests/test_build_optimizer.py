@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from slimopt import GaLoreAdafactor, GaLoreAdamW, build_optimizer, select_target_modules
+from slimopt import (
+    AdamW4bit,
+    GaLoreAdafactor,
+    GaLoreAdamW,
+    GaLoreAdamW8bit,
+    build_optimizer,
+    select_target_modules,
+)
 
 from .conftest import tiny_llama
 
@@ -42,6 +49,7 @@ def test_groups_projected_plain_and_no_decay() -> None:
     optimizer = build_optimizer(model, "galore_adamw", lr=2e-3, rank=16, weight_decay=0.1, update_proj_gap=50)
     assert isinstance(optimizer, GaLoreAdamW)
     projected, plain, vectors = optimizer.param_groups
+    assert [g["name"] for g in optimizer.param_groups] == ["projected", "unprojected", "no_decay"]
     modules = dict(model.named_modules())
     assert {id(p) for p in projected["params"]} == {id(modules[n].weight) for n in ATTENTION_AND_MLP}
     assert projected["rank"] == 16 and projected["update_proj_gap"] == 50
@@ -59,3 +67,26 @@ def test_adamw_and_adafactor_names() -> None:
     assert all("rank" not in g for g in build_optimizer(model, "adamw", lr=1e-3).param_groups)
     adafactor = build_optimizer(model, "galore_adafactor", lr=None, rank=8)
     assert isinstance(adafactor, GaLoreAdafactor) and adafactor.param_groups[0]["relative_step"]
+    plain = build_optimizer(model, "adafactor", lr=None)
+    assert isinstance(plain, GaLoreAdafactor) and all("rank" not in g for g in plain.param_groups)
+    assert [g["name"] for g in plain.param_groups] == ["unprojected", "no_decay"]
+
+
+@pytest.mark.parametrize(
+    ("hf_name", "cls", "states"),
+    [
+        ("galore_adamw_8bit", GaLoreAdamW8bit, "int8"),
+        ("adamw_8bit", GaLoreAdamW8bit, "int8"),
+        ("adamw_bnb_8bit", GaLoreAdamW8bit, "int8"),
+        ("adamw_torch_4bit", AdamW4bit, "int4"),
+        ("adamw_torch_fused", GaLoreAdamW, "fp32"),
+    ],
+)
+def test_hugging_face_names_build_the_same_optimizer(hf_name, cls, states) -> None:
+    optimizer = build_optimizer(tiny_llama(0), hf_name, lr=1e-3)
+    assert type(optimizer) is cls and optimizer.param_groups[0]["states"] == states
+    assert ("rank" in optimizer.param_groups[0]) == hf_name.startswith("galore")
+    with pytest.raises(
+        ValueError, match=r"unknown optimizer 'sgd'; available: adamw, .*Hugging Face's .*adamw_8bit"
+    ):
+        build_optimizer(tiny_llama(0), "sgd", lr=1e-3)

@@ -92,7 +92,12 @@ def test_layerwise_under_trainer_accumulates_logs_the_right_rate_and_clips(
     assert ranked.layerwise_handle.refresh_from == "micro_batch"
     assert _logged(ranked, "loss")[-1] == pytest.approx(_logged(stepping, "loss")[-1], rel=0.05)
     with pytest.raises(ValueError, match="is a layer-wise option: use galore_adamw_layerwise"):
-        SlimoptTrainer(model=tiny_llama(), args=_args(tmp_path), refresh_from="micro_batch")
+        SlimoptTrainer(
+            model=tiny_llama(),
+            args=_args(tmp_path),
+            optimizer_name="galore_adamw",
+            refresh_from="micro_batch",
+        )
 
     clipped = _train(shakespeare_tokens, tmp_path / "c", "galore_adamw_layerwise", max_grad_norm=0.05)
     optimizer = clipped.optimizer.optimizer
@@ -138,6 +143,34 @@ def test_optim_args_are_typed_and_bad_ones_are_named() -> None:
         parse_optim_args("rank=four")
     with pytest.raises(ValueError, match="is not key=value"):
         parse_optim_args("rank")
+
+
+@pytest.mark.parametrize(
+    ("optim", "cls", "layer_wise"),
+    [
+        ("galore_adamw_8bit", "GaLoreAdamW8bit", False),
+        ("galore_adamw_8bit_layerwise", "GaLoreAdamW8bit", True),
+        ("galore_adafactor", "GaLoreAdafactor", False),
+    ],
+)
+def test_training_arguments_optim_chooses_the_optimizer(shakespeare_tokens, tmp_path, optim, cls, layer_wise):
+    """Hugging Face's own GaLore names in TrainingArguments(optim=...): migrating from Trainer
+    is replacing the class."""
+    trainer = SlimoptTrainer(
+        model=tiny_llama(),
+        args=_args(tmp_path, optim=optim, optim_target_modules=["attn", "mlp"], max_steps=2),
+        train_dataset=ShakespeareRows(shakespeare_tokens),
+    )
+    trainer.train()
+    optimizer = trainer.optimizer.optimizer
+    assert type(optimizer).__name__ == cls and optimizer.param_groups[0]["name"] == "projected"
+    assert (trainer.layerwise_handle is not None) == layer_wise
+    assert any(key.endswith(".codes") for s in optimizer.state.values() for key in s) == ("8bit" in optim)
+
+
+def test_training_arguments_optim_without_a_slimopt_counterpart_is_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"TrainingArguments\(optim='sgd'\) has no slimopt counterpart"):
+        SlimoptTrainer(model=tiny_llama(), args=_args(tmp_path, optim="sgd"))
 
 
 def test_target_modules_and_names(tmp_path) -> None:

@@ -189,3 +189,64 @@ def test_an_all_zero_first_gradient_waits_for_a_real_one() -> None:
     exact = torch.linalg.svd(gradient(0, (64, 96)), full_matrices=False).U[:, :8]
     # The basis spans the gradient's top subspace: projecting onto it keeps exact's columns.
     assert torch.linalg.matrix_norm(basis.T @ exact) ** 2 > 8 * 0.99
+
+
+def test_stochastic_bf16_rounding_is_unbiased_as_torchao_checks_it() -> None:
+    """torchao's test of its bf16 stochastic rounding, with its tolerance."""
+    from slimopt.codecs.plain import round_to_bf16_stochastically
+
+    x = torch.rand(32) * 100
+    rounded = round_to_bf16_stochastically(x.view(-1, 1).repeat(1, 100_000), torch.Generator().manual_seed(0))
+    torch.testing.assert_close(rounded.float().mean(1), x, atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.parametrize("states", ["fp32", "int8"])
+def test_bf16_parameters_keep_updates_smaller_than_their_rounding_step(states) -> None:
+    """An AdamW step of lr = 1e-3 on weights of 1.0 (bf16 spacing 2⁻⁷): rounded to nearest it is
+    lost every time; rounded stochastically the mean follows the fp32 trajectory."""
+    runs = {}
+    for rounding in ("nearest", "stochastic"):
+        param = torch.ones(64, 128, dtype=torch.bfloat16, requires_grad=True)
+        optimizer = GaLoreAdamW([param], lr=1e-3, weight_decay=0.0, states=states, param_rounding=rounding)
+        for _ in range(10):
+            param.grad = torch.ones_like(param)
+            optimizer.step()
+        runs[rounding] = param.detach().float()
+    assert torch.equal(runs["nearest"], torch.ones(64, 128))
+    # fp32 AdamW with a constant gradient moves every weight by exactly lr per step.
+    spacing, draws = 2.0**-7, 64 * 128
+    standard_error = spacing * 10**0.5 / 2 / draws**0.5
+    assert abs(runs["stochastic"].mean().item() - (1 - 10 * 1e-3)) < 5 * standard_error
+
+
+def test_stochastic_parameter_rounding_resumes_exactly() -> None:
+    def train(optimizer, param, steps, start=0):
+        for step in range(start, start + steps):
+            param.grad = gradient(step, param.shape).bfloat16()
+            optimizer.step()
+
+    torch.manual_seed(0)
+    initial = torch.randn(96, 64).bfloat16()
+    options = {"lr": 1e-3, "param_rounding": "stochastic", "states": "ternary"}
+    uninterrupted = initial.clone().requires_grad_()
+    train(GaLoreAdamW([{"params": [uninterrupted], "rank": 16}], **options), uninterrupted, 6)
+    first = initial.clone().requires_grad_()
+    optimizer = GaLoreAdamW([{"params": [first], "rank": 16}], **options)
+    train(optimizer, first, 3)
+    resumed = first.detach().clone().requires_grad_()
+    again = GaLoreAdamW([{"params": [resumed], "rank": 16}], **options)
+    again.load_state_dict(optimizer.state_dict())
+    train(again, resumed, 3, start=3)
+    assert torch.equal(uninterrupted, resumed)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value", "message"),
+    [
+        (torch.bfloat16, "up", "unknown param_rounding 'up'; valid: nearest, stochastic"),
+        (torch.float16, "stochastic", r"rounds to bf16, but parameters \[\(4, 4\)\] are float16"),
+    ],
+)
+def test_bad_param_rounding(dtype, value, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        GaLoreAdamW([torch.zeros(4, 4, dtype=dtype, requires_grad=True)], param_rounding=value)

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from slimopt.layerwise import REFRESH_FROM
-from slimopt.registry import OPTIMIZERS, OPTION_TYPES, available_optimizers
+from slimopt.optimizer import STORAGE_DEFAULTS
+from slimopt.registry import OPTIMIZERS, OPTION_TYPES, available_optimizers, resolve_name
 from slimopt.train.models import LLAMA_PRESETS
 
 # Flags that configure the optimizer rather than the run, with their types (``stagger``, a
@@ -225,8 +226,7 @@ def make_config(options: dict[str, Any], optimizer: str | None = None, *, strict
         valid = ", ".join(sorted(names | set(OPTIMIZER_FLAGS)))
         raise ValueError(f"unknown option(s) {', '.join(unknown)}; valid: {valid}")
     name = optimizer or options.get("optimizer", "adamw")
-    if name not in available_optimizers():
-        raise ValueError(f"unknown optimizer {name!r}; available: {', '.join(available_optimizers())}")
+    name = resolve_name(name)
     model = options.get("model")
     if model is not None and model not in LLAMA_PRESETS and not Path(model).exists():
         raise ValueError(
@@ -235,7 +235,7 @@ def make_config(options: dict[str, Any], optimizer: str | None = None, *, strict
     run = {k: v for k, v in options.items() if k in names}
     extras = {k: v for k, v in options.items() if k in OPTIMIZER_FLAGS}
     if not OPTIMIZERS[name].projected:
-        projection = sorted(k for k in extras if k not in ("states", "block_size", "weight_decay"))
+        projection = sorted(k for k in extras if k not in STORAGE_DEFAULTS and k != "weight_decay")
         if projection and strict:
             flags = ", ".join("--" + k.replace("_", "-") for k in projection)
             galore = ", ".join(n for n, spec in OPTIMIZERS.items() if spec.projected)

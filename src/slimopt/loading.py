@@ -119,14 +119,33 @@ def _check_torch_adam_group(index: int, group: dict[str, Any]) -> None:
         )
 
 
+def fill_new_options(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with the projection and storage options its groups lack (a checkpoint
+    written before an option existed) taken from the optimizer's groups."""
+    options = _options()
+    groups = [
+        {**{key: current[key] for key in options if key in current}, **saved}
+        for saved, current in zip(state_dict["param_groups"], optimizer.param_groups, strict=False)
+    ]
+    return {**state_dict, "param_groups": groups}
+
+
+def _options() -> set[str]:
+    """The projection and storage options every slimopt group has, whatever its update rule."""
+    from slimopt.optimizer import PROJECTION_DEFAULTS, STORAGE_DEFAULTS
+
+    return {*PROJECTION_DEFAULTS, *STORAGE_DEFAULTS}
+
+
 def check_layout(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None:
     """Raise ``ValueError`` when the state dict's groups project differently from the optimizer's
     or were written by an optimizer with another update rule."""
     for index, (saved, current) in enumerate(
         zip(state_dict["param_groups"], optimizer.param_groups, strict=False)
     ):
-        # torch.optim adds "differentiable" to the defaults after the groups are made.
-        missing = sorted(set(optimizer.defaults) - set(saved) - {"rank", "differentiable"})
+        # torch.optim adds "differentiable" to the defaults after the groups are made; options
+        # newer than the checkpoint take this optimizer's values (fill_new_options).
+        missing = sorted(set(optimizer.defaults) - set(saved) - {"rank", "differentiable"} - _options())
         if missing:
             raise ValueError(
                 f"param group {index} of the state dict has no {', '.join(missing)}: it was saved by "

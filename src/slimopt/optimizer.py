@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 
 from slimopt import loading
 from slimopt.codecs import STATE_FORMATS, moment_codec, state_key
+from slimopt.codecs.plain import round_to_bf16_stochastically
 from slimopt.codecs.rows import RowSlicedStorage, row_sliced_storage, row_slices, sliced
 from slimopt.projection import (
     PROJ_METHODS,
@@ -52,7 +53,9 @@ PROJECTION_DEFAULTS: dict[str, Any] = {
     "basis_states": "fp32",
 }
 
-STORAGE_DEFAULTS: dict[str, Any] = {"states": "fp32", "block_size": None}
+STORAGE_DEFAULTS: dict[str, Any] = {"states": "fp32", "block_size": None, "param_rounding": "nearest"}
+# How an update is rounded into a bf16 parameter.
+PARAM_ROUNDINGS = ("nearest", "stochastic")
 
 
 class GaLoreOptimizer(Optimizer):
@@ -167,6 +170,7 @@ class GaLoreOptimizer(Optimizer):
         """
         if not loading.is_slimopt_state_dict(state_dict):
             state_dict = loading.from_torch_adam(self, state_dict)
+        state_dict = loading.fill_new_options(self, state_dict)
         loading.check_layout(self, state_dict)
         pairs = zip(state_dict["param_groups"], self.param_groups, strict=False)
         for index, (saved, current) in enumerate(pairs):
@@ -285,13 +289,15 @@ class GaLoreOptimizer(Optimizer):
             self._encode(state, key, value, group, generator)
         with _matrix_of(param) as weights:
             lr = self.rule.step_size(group, weights, state["step"])
+            decay = group["weight_decay"]
+            rounding = generator if _rounds_stochastically(param, group) else None
             if basis is None:
-                _update_weights(weights, _as_matrix(direction), lr, 1.0, group["weight_decay"])
+                _update_weights(weights, _as_matrix(direction), lr, 1.0, decay, rounding)
                 return
             # Back-projected a slice of rows at a time: no full-size fp32 update of a large matrix.
             for rows in row_slices(*weights.shape):
                 update = project_back(direction, basis, rows)
-                _update_weights(weights[rows], update, lr, group["scale"], group["weight_decay"])
+                _update_weights(weights[rows], update, lr, group["scale"], decay, rounding)
 
     def _by_row_slices(self, param: Tensor, group: dict[str, Any]) -> bool:
         """Whether an update of ``param`` (and its moments' storage) goes by slices of rows."""
@@ -318,6 +324,7 @@ class GaLoreOptimizer(Optimizer):
         generator = self._rounding_generator(param, state, group, grad.shape)
         age = self._advance(state)
         lr = self.rule.step_size(group, weights, state["step"])
+        rounding = generator if _rounds_stochastically(param, group) else None
         for index, rows in enumerate(row_slices(*weights.shape)):
             slice_grad = grad[rows].float()
             if first:
@@ -327,7 +334,7 @@ class GaLoreOptimizer(Optimizer):
             direction = self.rule.direction(slice_grad, moments, age, group)
             for key, storage in storages.items():
                 storage.encode(stored[key], index, moments[key], generator)
-            _update_weights(weights[rows], direction, lr, 1.0, group["weight_decay"])
+            _update_weights(weights[rows], direction, lr, 1.0, group["weight_decay"], rounding)
 
     def _row_storages(self, param: Tensor, group: dict[str, Any]) -> dict[str, RowSlicedStorage]:
         """The slice-by-slice layout of each moment of a matrix updated by slices of rows."""
@@ -510,10 +517,12 @@ class GaLoreOptimizer(Optimizer):
     def _rounding_generator(
         self, param: Tensor | None, state: dict[str, Any], group: dict[str, Any], shape: torch.Size
     ) -> torch.Generator | None:
-        """A generator for stochastic rounding, seeded by parameter and step so that a resumed
-        run rounds exactly as an uninterrupted one; None when no codec of the group draws."""
+        """A generator for stochastic rounding of the states (and of ``param``'s values, when it
+        is bf16 and its group rounds stochastically), seeded by parameter and step so that a
+        resumed run rounds exactly as an uninterrupted one; None when nothing draws."""
         codecs = [moment_codec(group["states"], kind, shape) for kind in set(self.rule.moment_kinds.values())]
-        if not any(codec.stochastic for codec in codecs):
+        rounds_param = param is not None and _rounds_stochastically(param, group)
+        if not rounds_param and not any(codec.stochastic for codec in codecs):
             return None
         device = param.device if param is not None else _state_device(state)
         generator = torch.Generator(device="cpu" if device.type == "meta" else device)
@@ -585,10 +594,20 @@ def _matrix_of(param: Tensor) -> Iterator[Tensor]:
     values.copy_(copy)
 
 
+def _rounds_stochastically(param: Tensor, group: dict[str, Any]) -> bool:
+    return group["param_rounding"] == "stochastic" and param.dtype == torch.bfloat16
+
+
 def _update_weights(
-    weights: Tensor, direction: Tensor, lr: float | Tensor, scale: float, weight_decay: float
+    weights: Tensor,
+    direction: Tensor,
+    lr: float | Tensor,
+    scale: float,
+    weight_decay: float,
+    generator: torch.Generator | None = None,
 ) -> None:
-    """``w ← w·(1 − lr·wd) − lr·scale·direction`` in fp32, rounded once into ``weights``."""
+    """``w ← w·(1 − lr·wd) − lr·scale·direction`` in fp32, rounded once into ``weights``: to
+    nearest, or, when ``generator`` is given (for bf16 ``weights`` only), stochastically."""
     target = weights if weights.dtype == torch.float32 else weights.float()
     if weight_decay != 0:
         target.mul_(1 - lr * weight_decay)
@@ -596,7 +615,11 @@ def _update_weights(
         target.sub_(direction.mul_(lr * scale))
     else:
         target.add_(direction, alpha=-lr * scale)
-    if target is not weights:
+    if target is weights:
+        return
+    if generator is not None:
+        weights.copy_(round_to_bf16_stochastically(target, generator))
+    else:
         weights.copy_(target)
 
 
@@ -611,6 +634,16 @@ def _state_device(state: dict[str, Any]) -> torch.device:
 
 def _storage_errors(group: dict[str, Any]) -> list[str]:
     errors = []
+    rounding = group["param_rounding"]
+    if rounding not in PARAM_ROUNDINGS:
+        errors.append(f"unknown param_rounding {rounding!r}; valid: {', '.join(PARAM_ROUNDINGS)}")
+    elif group["param_rounding"] == "stochastic":
+        shapes = [tuple(p.shape) for p in group["params"] if p.dtype == torch.float16]
+        if shapes:
+            errors.append(
+                f"param_rounding='stochastic' rounds to bf16, but parameters {shapes} are float16; "
+                "use bf16 parameters or param_rounding='nearest'"
+            )
     if group["states"] not in STATE_FORMATS:
         errors.append(f"unknown states {group['states']!r}; valid: {', '.join(STATE_FORMATS)}")
     size = group["block_size"]

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from slimopt.layerwise import check_refresh_from, layerwise
 from slimopt.memory import LiveBytes, storage_nbytes
 from slimopt.optimizer import BASIS_KEYS
-from slimopt.registry import OPTIMIZERS, available_optimizers, build_optimizer, select_target_modules
+from slimopt.registry import OPTIMIZERS, build_optimizer, resolve_name, select_target_modules
 
 TERMS = (
     "weights",
@@ -172,8 +172,7 @@ def _setting(arguments: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(
             f"unknown model {model!r}; valid: {', '.join(LLAMA_PRESETS)} or a Hugging Face config path"
         )
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; available: {', '.join(available_optimizers())}")
+    setting["optimizer"] = resolve_name(name)
     for key in ("batch_size", "seq_len", "accumulation_steps", "vocab_size"):
         value = setting[key]
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

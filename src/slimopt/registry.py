@@ -37,6 +37,7 @@ OPTION_TYPES: dict[str, type] = {
     "basis_states": str,
     "states": str,
     "block_size": int,
+    "param_rounding": str,
 }
 
 
@@ -52,6 +53,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adamw": OptimizerSpec(GaLoreAdamW, projected=False),
     "galore_adamw": OptimizerSpec(GaLoreAdamW, projected=True),
     "galore_adafactor": OptimizerSpec(GaLoreAdafactor, projected=True),
+    "adafactor": OptimizerSpec(GaLoreAdafactor, projected=False),
     "adamw8bit": OptimizerSpec(GaLoreAdamW8bit, projected=False),
     "adamw4bit": OptimizerSpec(AdamW4bit, projected=False),
     "adamw_ternary": OptimizerSpec(AdamWTernary, projected=False),
@@ -61,9 +63,41 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
 }
 
 
+# Hugging Face's ``TrainingArguments.optim`` names for the same configurations, accepted
+# wherever a name is (``adamw_torch_8bit`` is torchao's block-wise 8-bit AdamW, the same scheme).
+HF_NAMES: dict[str, str] = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw",
+    "adamw_8bit": "adamw8bit",
+    "adamw_bnb_8bit": "adamw8bit",
+    "adamw_torch_8bit": "adamw8bit",
+    "adamw_torch_4bit": "adamw4bit",
+    "adafactor": "adafactor",
+    "galore_adamw": "galore_adamw",
+    "galore_adamw_8bit": "galore_adamw8bit",
+    "galore_adafactor": "galore_adafactor",
+}
+
+
 def available_optimizers() -> list[str]:
-    """Return the names ``build_optimizer`` accepts."""
+    """Return slimopt's names for the optimizers ``build_optimizer`` accepts (it also takes the
+    Hugging Face names of ``HF_NAMES``)."""
     return list(OPTIMIZERS)
+
+
+def resolve_name(name: str) -> str:
+    """slimopt's name for ``name`` (its own, or a Hugging Face ``optim`` name of ``HF_NAMES``).
+
+    Raises ``ValueError`` naming the valid names.
+    """
+    if name in OPTIMIZERS:
+        return name
+    if name in HF_NAMES:
+        return HF_NAMES[name]
+    raise ValueError(
+        f"unknown optimizer {name!r}; available: {', '.join(available_optimizers())} "
+        f"(or Hugging Face's {', '.join(n for n in HF_NAMES if n not in OPTIMIZERS)})"
+    )
 
 
 def output_head(model: nn.Module) -> nn.Module | None:
@@ -116,17 +150,18 @@ def build_optimizer(
     target_modules: str | list[str] | None = None,
     **options: Any,
 ) -> GaLoreOptimizer:
-    """Return optimizer ``name`` configured for ``model``.
+    """Return optimizer ``name`` (slimopt's or Hugging Face's, see ``resolve_name``) configured
+    for ``model``.
 
-    Projected optimizers get one group with the weights of the selected linear modules (rank
-    ``rank``, default 128, plus any projection ``options``); every other matrix forms a plain
-    group; 1-D parameters (biases, norms) form a plain group without weight decay. Remaining
-    ``options`` (``weight_decay``, ``betas``, …) go to the optimizer class. Raises ``ValueError``
-    for an unknown name, for projection options on an unprojected optimizer, or for a target
-    selection that matches nothing.
+    The param groups, each named by ``group["name"]``, in this order (empty ones left out):
+    ``"projected"`` (projecting optimizers only: the weights of the selected linear modules,
+    rank ``rank``, default 128, plus any projection ``options``), ``"unprojected"`` (every other
+    matrix) and ``"no_decay"`` (1-D parameters: biases and norms, without weight decay).
+    Remaining ``options`` (``weight_decay``, ``betas``, …) go to the optimizer class. Raises
+    ``ValueError`` for an unknown name, for projection options on an unprojected optimizer, or
+    for a target selection that matches nothing.
     """
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; available: {', '.join(available_optimizers())}")
+    name = resolve_name(name)
     spec = OPTIMIZERS[name]
     projection = {key: options.pop(key) for key in list(options) if key in PROJECTION_DEFAULTS}
     if not spec.projected and (rank is not None or target_modules is not None or projection):
@@ -145,11 +180,15 @@ def build_optimizer(
                 projected_ids.add(id(weight))
     groups = [
         {
+            "name": "projected",
             "params": [p for i, p in params.items() if i in projected_ids],
             "rank": DEFAULT_RANK if rank is None else rank,
             **projection,
         },
-        {"params": [p for i, p in params.items() if i not in projected_ids and p.dim() >= 2]},
-        {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
+        {
+            "name": "unprojected",
+            "params": [p for i, p in params.items() if i not in projected_ids and p.dim() >= 2],
+        },
+        {"name": "no_decay", "params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
     ]
     return spec.cls([g for g in groups if g["params"]], lr=lr, **options)

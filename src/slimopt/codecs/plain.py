@@ -24,6 +24,15 @@ class Fp32Codec:
         return stored[""]
 
 
+def round_to_bf16_stochastically(value: Tensor, generator: torch.Generator | None) -> Tensor:
+    """``value`` in bf16, rounded up or down with probabilities that make it unbiased: the 16
+    fp32 mantissa bits that bf16 drops are compared with 16 random bits."""
+    bits = value.float().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, device=bits.device, dtype=torch.int32, generator=generator)
+    rounded = (bits + noise).bitwise_and_(-65536)  # clear the low 16 bits
+    return rounded.view(torch.float32).to(torch.bfloat16)
+
+
 class Bf16Codec:
     """Stores bf16. Rounding is stochastic and unbiased: the 16 fp32 mantissa bits that bf16
     drops are compared with 16 random bits, so E[decode(encode(x))] = x and small EMA steps
@@ -33,12 +42,7 @@ class Bf16Codec:
     stochastic = True
 
     def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
-        bits = value.float().view(torch.int32)
-        noise = torch.randint(
-            0, 1 << 16, bits.shape, device=bits.device, dtype=torch.int32, generator=generator
-        )
-        rounded = (bits + noise).bitwise_and_(-65536)  # clear the low 16 bits
-        return {"": rounded.view(torch.float32).to(torch.bfloat16)}
+        return {"": round_to_bf16_stochastically(value, generator)}
 
     def decode(self, stored: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
         return stored[""].float()

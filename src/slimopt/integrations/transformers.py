@@ -23,7 +23,14 @@ from torch import nn
 
 from slimopt.layerwise import LayerwiseHandle, check_refresh_from, layerwise
 from slimopt.optimizer import GaLoreAdafactor, GaLoreOptimizer
-from slimopt.registry import OPTIMIZERS, OPTION_TYPES, available_optimizers, build_optimizer
+from slimopt.registry import (
+    HF_NAMES,
+    OPTIMIZERS,
+    OPTION_TYPES,
+    available_optimizers,
+    build_optimizer,
+    resolve_name,
+)
 
 try:
     from transformers import Trainer
@@ -36,18 +43,39 @@ LAYERWISE_SUFFIX = "_layerwise"
 
 
 def optimizer_names() -> list[str]:
-    """Every name ``SlimoptTrainer`` accepts: the registry's, and each with ``_layerwise``."""
-    return available_optimizers() + [name + LAYERWISE_SUFFIX for name in available_optimizers()]
+    """Every name ``SlimoptTrainer`` accepts: the registry's and Hugging Face's (``HF_NAMES``),
+    each also with ``_layerwise``."""
+    names = available_optimizers() + [name for name in HF_NAMES if name not in OPTIMIZERS]
+    return names + [name + LAYERWISE_SUFFIX for name in names]
 
 
 def split_name(name: str) -> tuple[str, bool]:
-    """(registry name, layer-wise?) of a ``SlimoptTrainer`` optimizer name; raises ``ValueError``."""
+    """(registry name, layer-wise?) of a ``SlimoptTrainer`` optimizer name, slimopt's or Hugging
+    Face's (``galore_adamw_8bit_layerwise`` → ``("galore_adamw8bit", True)``); raises
+    ``ValueError`` naming the valid names."""
     base, layer_wise = (
         (name[: -len(LAYERWISE_SUFFIX)], True) if name.endswith(LAYERWISE_SUFFIX) else (name, False)
     )
-    if base not in OPTIMIZERS:
+    if base not in OPTIMIZERS and base not in HF_NAMES:
         raise ValueError(f"unknown optimizer {name!r}; available: {', '.join(optimizer_names())}")
-    return base, layer_wise
+    return resolve_name(base), layer_wise
+
+
+def trainer_optimizer_name(args: Any, name: str | None) -> str:
+    """``name``, or the optimizer ``TrainingArguments.optim`` names when ``name`` is None.
+    Raises ``ValueError`` for an ``optim`` without a slimopt counterpart."""
+    if name is not None:
+        return name
+    optim = getattr(args.optim, "value", args.optim)
+    try:
+        split_name(optim)
+    except ValueError:
+        raise ValueError(
+            f"TrainingArguments(optim={optim!r}) has no slimopt counterpart; set optim to one of "
+            f"{', '.join(HF_NAMES)} (optionally with {LAYERWISE_SUFFIX}), or pass optimizer_name= "
+            f"one of {', '.join(available_optimizers())}"
+        ) from None
+    return optim
 
 
 def parse_optim_args(text: str | None) -> dict[str, Any]:
@@ -83,14 +111,15 @@ def _typed(key: str, value: str) -> Any:
         raise ValueError(f"optim_args {key}={value!r}: expected {kind.__name__}") from None
 
 
-def create_optimizer(model: nn.Module, args: Any, name: str) -> GaLoreOptimizer:
-    """The slimopt optimizer ``name`` for ``model``, configured from ``TrainingArguments`` ``args``.
+def create_optimizer(model: nn.Module, args: Any, name: str | None = None) -> GaLoreOptimizer:
+    """The slimopt optimizer ``name`` (default: ``args.optim``) for ``model``, configured from
+    ``TrainingArguments`` ``args``.
 
     ``name`` may carry the ``_layerwise`` suffix (the optimizer is the same; ``SlimoptTrainer``
     adds the hooks). Raises ``ValueError`` for an unknown name, ``optim_args`` key or value, or an
     ``optim_target_modules`` that matches nothing or is given to an optimizer that does not project.
     """
-    base, _ = split_name(name)
+    base, _ = split_name(trainer_optimizer_name(args, name))
     options = parse_optim_args(getattr(args, "optim_args", None))
     hyper: dict[str, Any] = {"weight_decay": args.weight_decay}
     if issubclass(OPTIMIZERS[base].cls, GaLoreAdafactor):
@@ -112,18 +141,21 @@ def create_optimizer(model: nn.Module, args: Any, name: str) -> GaLoreOptimizer:
 
 class SlimoptTrainer(Trainer):
     """``transformers.Trainer`` with a slimopt optimizer: ``SlimoptTrainer(model, args, ...,
-    optimizer_name="galore_adamw_ternary")``. Everything else is Trainer's. ``refresh_from`` is
-    ``slimopt.layerwise``'s option, for a ``_layerwise`` name."""
+    optimizer_name="galore_adamw_ternary")``, or, without ``optimizer_name``, the one
+    ``args.optim`` names (``TrainingArguments(optim="galore_adamw_8bit")``: migrating from
+    ``Trainer`` is one line). Everything else is Trainer's. ``refresh_from`` is
+    ``slimopt.layerwise``'s option, for a ``_layerwise`` name. Raises ``ValueError`` for a name
+    without a slimopt counterpart."""
 
     def __init__(
-        self, *args: Any, optimizer_name: str = "galore_adamw", refresh_from: str = "step", **kwargs: Any
+        self, *args: Any, optimizer_name: str | None = None, refresh_from: str = "step", **kwargs: Any
     ) -> None:
-        _, self.layerwise = split_name(optimizer_name)
-        check_refresh_from(refresh_from, self.layerwise, f"use {optimizer_name}{LAYERWISE_SUFFIX}")
-        self.refresh_from = refresh_from
-        self.optimizer_name = optimizer_name
-        self.layerwise_handle: LayerwiseHandle | None = None
         super().__init__(*args, **kwargs)
+        self.optimizer_name = trainer_optimizer_name(self.args, optimizer_name)
+        _, self.layerwise = split_name(self.optimizer_name)
+        check_refresh_from(refresh_from, self.layerwise, f"use {self.optimizer_name}{LAYERWISE_SUFFIX}")
+        self.refresh_from = refresh_from
+        self.layerwise_handle: LayerwiseHandle | None = None
 
     def create_optimizer(self, model: nn.Module | None = None) -> GaLoreOptimizer:
         """Create the slimopt optimizer (once) and, for a ``_layerwise`` name, its hooks."""
