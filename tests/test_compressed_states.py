@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -125,8 +127,9 @@ def test_projected_int8_states_follow_fp32_galore() -> None:
 def test_subspace_policies_transform_compressed_moments(policy: str, states: str) -> None:
     """At a refresh the stored projected first moment is decoded, kept / zeroed / rotated into
     the new basis and re-encoded: after the step it is β·T(m_old) + (1-β)·U_newᵀ G for the
-    policy's T, within the codec's error, and closer to it than to the other policies' results."""
-    codec_error = {"fp32": 1e-5, "int8": 0.03, "int4": 0.25, "ternary": 1.0}[states]
+    policy's T, within the codec's error, and closer to it than to the other policies' results.
+    Ternary rounding is stochastic (unbiased): its moment is averaged over 64 draws of the step."""
+    codec_error = {"fp32": 1e-5, "int8": 0.03, "int4": 0.25, "ternary": 0.2}[states]
     torch.manual_seed(0)
     weight = (torch.randn(256, 384) * 0.1).requires_grad_()
     signal = torch.randn(256, 8) @ torch.randn(8, 384)
@@ -136,6 +139,7 @@ def test_subspace_policies_transform_compressed_moments(policy: str, states: str
         states=states,
         on_subspace_change=policy,
         stagger=False,
+        proj_method="svd",  # the same basis whatever the seed of the rounding draws
     )
 
     def gradient(step: int) -> torch.Tensor:
@@ -150,10 +154,19 @@ def test_subspace_policies_transform_compressed_moments(policy: str, states: str
     state, shape = optimizer.state[weight], torch.Size((32, 384))
     old_basis = state["basis_left"].clone()
     old_moment = decoded_moments(optimizer, weight, shape)["exp_avg"].clone()
-    weight.grad = gradient(5)
-    optimizer.step()  # refreshes the basis first
+    saved, start = copy.deepcopy(optimizer.state_dict()), weight.detach().clone()
+    draws = []
+    for draw in range(256 if states == "ternary" else 1):
+        optimizer.load_state_dict(copy.deepcopy(saved))
+        optimizer.state[weight]["seed"] += 1000 * draw  # another stream of rounding draws
+        with torch.no_grad():
+            weight.copy_(start)
+        weight.grad = gradient(5)
+        optimizer.step()  # refreshes the basis first
+        draws.append(decoded_moments(optimizer, weight, shape)["exp_avg"])
+    state = optimizer.state[weight]
     new_basis = state["basis_left"]
-    moment = decoded_moments(optimizer, weight, shape)["exp_avg"]
+    moment = torch.stack(draws).mean(0)
     carried = {
         "keep": old_moment,
         "reset": torch.zeros_like(old_moment),

@@ -39,6 +39,9 @@ from slimopt.projection import sides as projection_sides
 from slimopt.rules import AdafactorRule, AdamWRule, UpdateRule
 
 SUBSPACE_POLICIES = ("keep", "reset", "rotate")
+# Random streams of stochastic rounding within one step of one parameter.
+UPDATE_STREAM, SUBSPACE_CHANGE_STREAM, LOAD_STREAM, BASIS_STREAM = 0, 1, 2, 3
+STREAM_STRIDE = 0x9E3779B9  # ⌊2³²/φ⌋, odd
 # How a projection basis is stored: entries of orthonormal vectors lose little to 8 bits.
 BASIS_STATES = ("fp32", "bf16", "int8")
 BASIS_KEYS = ("basis_left", "basis_right")
@@ -222,9 +225,9 @@ class GaLoreOptimizer(Optimizer):
     def _store_basis(self, param: Tensor, group: dict[str, Any], basis: Basis) -> None:
         state = self.state[param]
         generator = None
-        if group["basis_states"] == "bf16":  # stochastic rounding, seeded like the refresh
+        if group["basis_states"] == "bf16":  # stochastic rounding, seeded by parameter and step
             generator = torch.Generator(device="cpu" if param.is_meta else param.device)
-            generator.manual_seed(_step_seed(state))
+            generator.manual_seed(_rounding_seed(state, BASIS_STREAM))
         for key, factor, shape in zip(BASIS_KEYS, basis, self._basis_shapes(param, group), strict=True):
             if factor is not None:
                 codec = moment_codec(group["basis_states"], "linear", shape)
@@ -384,7 +387,7 @@ class GaLoreOptimizer(Optimizer):
         for key in [key for key in stored if key.split(".")[0] not in BASIS_KEYS]:
             del state[key]
         shapes = {key: value.shape for key, value in moments.items()}
-        generator = self._rounding_generator(param, state, group, next(iter(shapes.values())))
+        generator = self._rounding_generator(param, state, group, next(iter(shapes.values())), LOAD_STREAM)
         storages = self._row_storages(param, group) if self._by_row_slices(param, group) else {}
         for key, value in moments.items():
             if key in storages:
@@ -479,7 +482,7 @@ class GaLoreOptimizer(Optimizer):
         policy = group["on_subspace_change"]
         if policy == "keep":
             return
-        generator = self._rounding_generator(None, state, group, shape)
+        generator = self._rounding_generator(None, state, group, shape, SUBSPACE_CHANGE_STREAM)
         for key, value in self._decode_all(state, group, shape).items():
             if policy == "rotate":
                 squared = self.rule.moment_kinds[key] == "square"
@@ -515,19 +518,27 @@ class GaLoreOptimizer(Optimizer):
             state[state_key(key, part)] = stored
 
     def _rounding_generator(
-        self, param: Tensor | None, state: dict[str, Any], group: dict[str, Any], shape: torch.Size
+        self,
+        param: Tensor | None,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        shape: torch.Size,
+        stream: int = UPDATE_STREAM,
     ) -> torch.Generator | None:
         """A generator for stochastic rounding of the states (and of ``param``'s values, when it
-        is bf16 and its group rounds stochastically), seeded by parameter and step so that a
-        resumed run rounds exactly as an uninterrupted one; None when nothing draws."""
+        is bf16 and its group rounds stochastically), seeded by parameter, step and ``stream`` so
+        that a resumed run rounds exactly as an uninterrupted one; None when nothing draws.
+
+        Roundings of one step that follow each other (moments carried to a new basis, then
+        updated) must draw from different streams: the same uniform numbers twice would make
+        the pair biased."""
         codecs = [moment_codec(group["states"], kind, shape) for kind in set(self.rule.moment_kinds.values())]
         rounds_param = param is not None and _rounds_stochastically(param, group)
         if not rounds_param and not any(codec.stochastic for codec in codecs):
             return None
         device = param.device if param is not None else _state_device(state)
         generator = torch.Generator(device="cpu" if device.type == "meta" else device)
-        # Odd seeds: the plain step seed belongs to the projection refresh.
-        generator.manual_seed(_step_seed(state) * 2 + 1)
+        generator.manual_seed(_rounding_seed(state, stream))
         return generator
 
     def _skip(self, param: Tensor, state: dict[str, Any], reason: str) -> None:
@@ -548,6 +559,15 @@ def decoded_state(optimizer: GaLoreOptimizer, param: Tensor) -> dict[str, Tensor
     parameter's shape, or a projected matrix's rank-r space (see
     ``GaLoreOptimizer.decoded_state``)."""
     return optimizer.decoded_state(param)
+
+
+def _rounding_seed(state: dict[str, Any], stream: int) -> int:
+    """The seed of a stream of rounding draws of this parameter and step.
+
+    Update seeds are odd (the plain step seed belongs to the projection refresh's sketch). The
+    CPU generator (mt19937) keeps only the low 32 bits of a seed, so streams differ there: an odd
+    multiple of ⌊2³²/φ⌋ makes a subspace change's seeds even, never an update's."""
+    return _step_seed(state) * 2 + 1 + stream * STREAM_STRIDE
 
 
 def _step_seed(state: dict[str, Any]) -> int:
