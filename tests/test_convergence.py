@@ -1,11 +1,14 @@
-"""Convergence smoke: GaLore trains a small LLaMA on Shakespeare as well as AdamW."""
+"""Convergence smoke: GaLore trains a small LLaMA on Shakespeare as well as AdamW, and better
+than the same optimizer projecting onto random subspaces of the same rank."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import slimopt.optimizer
 from slimopt import build_optimizer
+from slimopt.projection import Basis
 from slimopt.train.data import sample_batch
 
 from .conftest import tiny_llama
@@ -45,15 +48,39 @@ def adamw_loss(shakespeare_tokens: torch.Tensor) -> float:
     return loss
 
 
+def random_basis(grad: torch.Tensor, rank: int, uses: tuple[bool, bool], *args) -> Basis:
+    """Orthonormal factors of the shapes compute_basis returns, spanning a random subspace."""
+    generator = torch.Generator().manual_seed(int(grad.abs().sum().item() * 1000) % 2**31)
+    rows, cols = grad.shape
+    rank = min(rank, rows, cols)
+    left = torch.linalg.qr(torch.randn(rows, rank, generator=generator)).Q if uses[0] else None
+    right = torch.linalg.qr(torch.randn(cols, rank, generator=generator)).Q.T if uses[1] else None
+    return Basis(left, right)
+
+
+def final_training_losses(tokens: torch.Tensor, name: str, **options) -> tuple[float, float]:
+    """``final_training_loss`` of a projecting optimizer, and the same when every refresh picks
+    a random subspace of the same rank instead of the gradient's top one."""
+    loss = final_training_loss(tokens, name, **options)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(slimopt.optimizer, "compute_basis", random_basis)
+        return loss, final_training_loss(tokens, name, **options)
+
+
 def test_galore_adamw_trains_as_well_as_adamw(shakespeare_tokens: torch.Tensor, adamw_loss: float) -> None:
-    galore = final_training_loss(shakespeare_tokens, "galore_adamw", lr=1e-2, rank=16, update_proj_gap=50)
+    galore, random = final_training_losses(
+        shakespeare_tokens, "galore_adamw", lr=1e-2, rank=16, update_proj_gap=50
+    )
     assert galore <= 1.05 * adamw_loss
+    # Measured on tinyshakespeare: 2.382 against 2.438 for random subspaces (ranks 4 and 8: a
+    # gap of 0.063 and 0.054); the bound asks for half of it.
+    assert galore <= random - 0.025
 
 
 def test_galore_adafactor_trains_as_well_as_adamw(
     shakespeare_tokens: torch.Tensor, adamw_loss: float
 ) -> None:
-    loss = final_training_loss(
+    loss, random = final_training_losses(
         shakespeare_tokens,
         "galore_adafactor",
         lr=1e-2,
@@ -63,6 +90,7 @@ def test_galore_adafactor_trains_as_well_as_adamw(
         update_proj_gap=50,
     )
     assert loss <= 1.05 * adamw_loss
+    assert loss <= random - 0.025
 
 
 def validation_loss_after(tokens: torch.Tensor, name: str, **options) -> float:
