@@ -56,6 +56,7 @@ def test_stored_bases_stay_nearly_orthonormal(basis_states: str) -> None:
     assert (basis.T @ basis - torch.eye(32)).abs().max() < (0.01 if basis_states == "bf16" else 0.03)
 
 
+@pytest.mark.slow  # two 300-step trainings: ~12 s each
 @pytest.mark.parametrize("basis_states", ["bf16", "int8"])
 def test_compressed_bases_train_as_well_as_fp32(shakespeare_tokens: torch.Tensor, basis_states: str) -> None:
     # Hidden size 256 and rank 32: every basis has 8192 entries, above the size below which

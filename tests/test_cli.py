@@ -15,14 +15,12 @@ import pytest
 from slimopt.cli import main
 from slimopt.planner import plan_memory
 
-from .conftest import SHAKESPEARE
-
 pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny LLaMA config and a 200 kB slice of tinyshakespeare."""
+    """A tiny LLaMA config and a 200 kB text file from the built-in corpus."""
     root = tmp_path_factory.mktemp("cli")
     from transformers import LlamaConfig
 
@@ -33,10 +31,11 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_key_value_heads=2,
         num_hidden_layers=2,
     ).save_pretrained(root / "tiny")
-    if not SHAKESPEARE.exists():
-        pytest.skip(f"corpus not found at {SHAKESPEARE}")
+    from slimopt.train.corpus import load_corpus
+
     (root / "text").mkdir()
-    (root / "text" / "shakespeare.txt").write_text(SHAKESPEARE.read_text()[:200_000])
+    text = "".join(document.text for document in load_corpus("shakespeare"))
+    (root / "text" / "shakespeare.txt").write_text(text[:200_000])
     return root
 
 

@@ -69,12 +69,12 @@ def final_training_losses(tokens: torch.Tensor, name: str, **options) -> tuple[f
 
 def test_galore_adamw_trains_as_well_as_adamw(shakespeare_tokens: torch.Tensor, adamw_loss: float) -> None:
     galore, random = final_training_losses(
-        shakespeare_tokens, "galore_adamw", lr=1e-2, rank=16, update_proj_gap=50
+        shakespeare_tokens, "galore_adamw", lr=1e-2, rank=8, update_proj_gap=50
     )
     assert galore <= 1.05 * adamw_loss
-    # Measured on tinyshakespeare: 2.382 against 2.438 for random subspaces (ranks 4 and 8: a
-    # gap of 0.063 and 0.054); the bound asks for half of it.
-    assert galore <= random - 0.025
+    # Rank 8 of 64: measured 2.427 against 2.516 for random subspaces (GaLoreAdafactor: 2.477,
+    # 2.546; at rank 16 the gaps are half as large); the bound asks for half of the smaller gap.
+    assert galore <= random - 0.035
 
 
 def test_galore_adafactor_trains_as_well_as_adamw(
@@ -86,11 +86,11 @@ def test_galore_adafactor_trains_as_well_as_adamw(
         lr=1e-2,
         beta1=0.9,
         scale_parameter=False,
-        rank=16,
+        rank=8,
         update_proj_gap=50,
     )
     assert loss <= 1.05 * adamw_loss
-    assert loss <= random - 0.025
+    assert loss <= random - 0.035
 
 
 def validation_loss_after(tokens: torch.Tensor, name: str, **options) -> float:
@@ -124,6 +124,7 @@ def fp32_adamw_validation_loss(shakespeare_tokens: torch.Tensor) -> float:
     return validation_loss_after(shakespeare_tokens, "torch_adamw", lr=3e-3)
 
 
+@pytest.mark.slow  # a 200-step training per format: ~10 s each
 @pytest.mark.parametrize(
     ("name", "tolerance"),
     [

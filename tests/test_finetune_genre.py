@@ -11,6 +11,7 @@ from benchmarks import finetune_genre
 pytestmark = pytest.mark.usefixtures("private_cache")
 
 
+@pytest.mark.slow  # pretraining and nine fine-tunes: ~7 s
 def test_finetune_comparison_runs_end_to_end(tmp_path) -> None:
     pytest.importorskip("peft")
     finetune_genre.main(["--tiny", "--out", str(tmp_path)])

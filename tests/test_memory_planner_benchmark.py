@@ -6,11 +6,13 @@ device time; this runs the same functions on llama_9m so that a broken script fa
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks.memory_planner import LLAMA_7B, llama_7b_row, llama_7b_runs
 
 
+@pytest.mark.slow  # four configurations measured: ~10 s
 def test_llama_7b_script_runs_every_configuration_on_a_small_model() -> None:
     runs = list(llama_7b_runs(torch.device("cpu"), 2, model="llama_9m", rank=32, vocab_size=512))
     assert [run["name"] for run in runs] == list(LLAMA_7B)

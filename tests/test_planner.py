@@ -178,6 +178,7 @@ def test_refresh_from_micro_batch_keeps_the_first_step_rank_r() -> None:
     assert abs(ranked.peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes
 
 
+@pytest.mark.slow  # a 7B model on the meta device, four configurations: ~30 s
 def test_llama_7b_fits_16_gib_with_ternary_states_and_20_gib_with_int8() -> None:
     ternary = plan_memory(
         "llama_7b", "galore_adamw_ternary", rank=1024, layerwise=True, basis_states="int8", gpu_memory_gib=24
