@@ -6,7 +6,8 @@
     python -m benchmarks.memory_planner --llama-7b --predict   # only the planner's 7B breakdown
 
 On the CPU the measured peak is the high-water mark of live tensor bytes of the same two training
-steps the planner runs on the meta device. On CUDA it is ``torch.cuda.max_memory_allocated`` over
+steps the planner runs on the meta device, and, independently, the peak the CPU allocator saw
+(torch.profiler's memory events). On CUDA it is ``torch.cuda.max_memory_allocated`` over
 those steps; the script then trains the same configuration without any tracking for a few steps
 to time the first step (which computes every projection basis) and the steady ones.
 """
@@ -16,15 +17,37 @@ from __future__ import annotations
 import argparse
 import gc
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from slimopt import build_optimizer, layerwise, state_nbytes
 from slimopt.planner import build_model, measure_memory, plan_memory
 
 GIB = 2**30
+T = TypeVar("T")
+
+
+def allocator_peak(run: Callable[[], T]) -> tuple[T, int]:
+    """What ``run()`` returns, and the peak of bytes it allocated as the CPU allocator saw them
+    (torch.profiler's memory events): a measurement independent of slimopt's LiveBytes."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        result = run()
+    events, pending = [], list(profiler.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        if event.tag == torch._C._profiler._EventType.Allocation:
+            events.append(event)
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_time_ns):
+        live += event.extra_fields.alloc_size
+        peak = max(peak, live)
+    return result, peak
+
 
 SMALL: dict[str, dict[str, Any]] = {
     "llama_20m adamw fp32, 8×256": dict(
@@ -219,15 +242,20 @@ def main() -> None:
         for run in llama_7b_runs(torch.device(args.device), args.steps, not args.no_predict, **overrides):
             print(llama_7b_row(run), flush=True)
         return
-    print("| configuration (vocab 32000) | predicted bytes | measured bytes | error | peak at |")
-    print("|---|---|---|---|---|")
+    print(
+        "| configuration (vocab 32000) | predicted bytes | measured bytes | error | allocator bytes "
+        "| peak at |"
+    )
+    print("|---|---|---|---|---|---|")
     for name, setting in SMALL.items():
         predicted = plan_memory(**setting)
-        measured = measure_memory(**setting, device=args.device)
+        measured, allocated = allocator_peak(partial(measure_memory, **setting, device=args.device))
         reference = measured.cuda_max_memory_allocated or measured.peak_bytes
         error = (predicted.peak_bytes - reference) / reference
+        allocator = f"{allocated:,}" if args.device == "cpu" else "—"
         print(
-            f"| {name} | {predicted.peak_bytes:,} | {reference:,} | {error:+.4%} | {predicted.peak_at} |",
+            f"| {name} | {predicted.peak_bytes:,} | {reference:,} | {error:+.4%} | {allocator} "
+            f"| {predicted.peak_at} |",
             flush=True,
         )
 

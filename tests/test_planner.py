@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
 
 import slimopt
+from benchmarks.memory_planner import allocator_peak
 from slimopt.cli import main
 from slimopt.planner import TERMS, measure_memory, plan_memory
 
@@ -61,26 +62,6 @@ CONFIGURATIONS = {
 }
 
 
-def profiled_peak(run: Callable[[], object]) -> int:
-    """The peak of bytes allocated by ``run`` as the CPU allocator saw them (torch.profiler's
-    memory events): a measurement independent of slimopt's LiveBytes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        run()
-    events, pending = [], list(profiler.profiler.kineto_results.experimental_event_tree())
-    while pending:
-        event = pending.pop()
-        pending.extend(event.children)
-        if event.tag == torch._C._profiler._EventType.Allocation:
-            events.append(event)
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_time_ns):
-        live += event.extra_fields.alloc_size
-        peak = max(peak, live)
-    return peak
-
-
 @pytest.mark.parametrize("name", list(CONFIGURATIONS))
 def test_prediction_matches_the_same_steps_measured_on_cpu(name: str, gqa_config: str) -> None:
     """Predicted (meta device) against measured (CPU): LiveBytes counts both, and the CPU
@@ -90,9 +71,7 @@ def test_prediction_matches_the_same_steps_measured_on_cpu(name: str, gqa_config
     if setting["model"] == "gqa":
         setting["model"] = gqa_config
     predicted = plan_memory(**setting)
-    measurements = []
-    allocated = profiled_peak(lambda: measurements.append(measure_memory(**setting, device="cpu")))
-    measured = measurements[0]
+    measured, allocated = allocator_peak(partial(measure_memory, **setting, device="cpu"))
     assert abs(allocated - measured.peak_bytes) <= 2**19
     assert measured.measured and not predicted.measured
     assert abs(predicted.peak_bytes - allocated) <= 0.10 * allocated
