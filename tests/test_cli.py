@@ -11,7 +11,9 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
+import slimopt
 from slimopt.cli import main
 from slimopt.planner import plan_memory
 
@@ -72,7 +74,11 @@ def test_train_runs_logs_evaluates_and_checkpoints(workspace: Path, tmp_path: Pa
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 12 and summary["state_bytes"] > 0 and summary["val_ppl"] > 1
     assert (out / "checkpoints" / "step-00000012" / "manifest.json").exists()
-    assert json.loads(capsys.readouterr().out)["optimizer"] == "galore_adamw8bit"
+    printed = capsys.readouterr()
+    assert printed.out.startswith("galore_adamw8bit: finished 12 of 12 steps in ")
+    assert f"files in {out}: config.json, metrics.jsonl" in printed.out
+    assert f"with galore_adamw8bit (rank 8) on cpu; run directory {out}" in printed.err
+    assert "step 4: validation loss" in printed.err and "perplexity" in printed.err
     # On the CPU the first two steps are counted exactly (activations and temporaries included):
     # what the planner predicts for the same model, optimizer and micro-batches.
     assert [r["step"] for r in history if "memory_bytes" in r] == [1, 2]
@@ -140,6 +146,7 @@ def test_sigint_saves_a_checkpoint_and_stops(workspace: Path, tmp_path: Path) ->
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] and 3 <= summary["steps"] < 400
     assert (out / "checkpoints" / f"step-{summary['steps']:08d}" / "manifest.json").exists()
+    assert f"Continue with: slimopt train --resume {out}" in stderr.decode()
 
 
 def test_compare_writes_results_table_and_plot(workspace: Path, tmp_path: Path, capsys) -> None:
@@ -221,3 +228,152 @@ def test_checkpoint_of_another_model_is_refused(workspace: Path, tmp_path: Path,
     argv[argv.index("--model") + 1] = str(tmp_path / "wider")
     assert main(argv) == 2
     assert "is from another model" in capsys.readouterr().err
+
+
+def files_of(path: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def test_an_out_that_holds_a_run_is_refused_and_left_as_it_was(
+    workspace: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "3", *run_args(workspace, out)]) == 0
+    before = files_of(out)
+    capsys.readouterr()
+    again = ["train", "--steps", "2", *run_args(workspace, out)]
+    again[again.index("--model") + 1] = "llama_9m"  # another model: nothing of it may land there
+    assert main(again) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"slimopt: error: --out {out} already holds a run; continue it with --resume {out}, choose "
+        "another --out, or pass --overwrite to replace it\n"
+    )
+    assert files_of(out) == before
+
+
+def test_overwrite_replaces_the_old_run_entirely(workspace: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "6", "--save-every", "2", *run_args(workspace, out)]) == 0
+    assert main(["train", "--steps", "3", "--overwrite", *run_args(workspace, out)]) == 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003"]
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+    assert "overwrite" not in json.loads((out / "config.json").read_text())
+    assert not any(p.name.startswith(".run.replaced") for p in tmp_path.iterdir())
+
+
+def test_the_default_out_is_new_for_every_run(workspace: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--steps", "1", *run_args(workspace, tmp_path / "unused")]
+    del argv[argv.index("--out") : argv.index("--out") + 2]
+    assert main(argv) == 0 and main(argv) == 0
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 2 and all(run.name.startswith("tiny-adamw-") for run in runs)
+    printed = capsys.readouterr()
+    for run in runs:
+        relative = Path("runs") / run.name
+        assert f"run directory {relative}" in printed.err and f"files in {relative}:" in printed.out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lr", "0"], "--lr must be a positive number, got 0.0"),
+        (["--lr", "-1e-3"], "--lr must be a positive number, got -0.001"),
+        (["--lr=-1e-3"], "--lr must be a positive number, got -0.001"),
+        (["--warmup", "-1"], "--warmup must be a number >= 0, got -1.0"),
+        (["--grad-clip", "-0.5"], "--grad-clip must be a number >= 0, got -0.5"),
+        (["--steps", "0"], "--steps must be a positive integer, got 0"),
+        (["--eval-every", "-2"], "--eval-every must be a positive integer, got -2"),
+        (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+        (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    ],
+)
+def test_each_bad_value_is_one_line_naming_the_flag(flags, message, workspace, tmp_path, capsys) -> None:
+    try:
+        code = main(["train", *run_args(workspace, tmp_path / "run"), *flags])
+    except SystemExit as exit_:  # argparse's own checks exit from parse_args
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("slimopt: error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_version(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"slimopt {slimopt.__version__}\n"
+
+
+def test_device_cuda_without_a_gpu_is_refused(workspace, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["train", "--device", "cuda", *run_args(workspace, tmp_path / "run")]) == 2
+    assert "--device cuda: no CUDA device is available; valid here: auto, cpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("preset", "rank"), [("llama_9m", 32), ("llama_60m", 128), ("llama_1b", 512)])
+def test_the_default_rank_is_a_quarter_of_the_hidden_size(preset: str, rank: int, capsys) -> None:
+    from slimopt.train.models import LLAMA_PRESETS
+
+    assert LLAMA_PRESETS[preset][0] == 4 * rank
+    assert main(["memory", "--model", preset, "--optimizer", "galore_adamw", "--vocab-size", "512"]) == 0
+    assert f"rank {rank} (the default: a quarter of the matrices' smaller side)" in capsys.readouterr().out
+
+
+def test_a_rank_that_saves_nothing_warns(workspace: Path, tmp_path: Path, capsys) -> None:
+    argv = ["train", "--optimizer", "galore_adamw", "--rank", "32", "--steps", "1"]
+    assert main([*argv, *run_args(workspace, tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert "slimopt: warning: rank 32 saves no optimizer state" in err and "choose a rank of at most" in err
+
+
+def test_compare_names_each_bar_and_plots_every_run_distinctly(
+    workspace: Path, tmp_path: Path, capsys
+) -> None:
+    from slimopt.train.compare import loss_figure
+
+    argv = ["compare", "--optimizers", "adamw,galore_adamw,adamw8bit", "--rank", "8", "--steps", "4"]
+    run = run_args(workspace, tmp_path / "compare")
+    del run[run.index("--eval-every") : run.index("--eval-every") + 2]  # the default: a tenth of the steps
+    assert main([*argv, *run]) == 0
+    err = capsys.readouterr().err
+    assert all(f"{name} {k}/3" in err for k, name in enumerate(["adamw", "galore_adamw", "adamw8bit"], 1))
+    results = json.loads((tmp_path / "compare" / "results.json").read_text())
+    figure = loss_figure(results)
+    for axis in figure.axes:
+        assert axis.get_xlabel() and axis.get_ylabel()
+        styles = [(line.get_linestyle(), line.get_marker()) for line in axis.get_lines()]
+        assert len(axis.get_lines()) == 3 and len(set(styles)) == 3
+    validation = figure.axes[1]
+    assert all(len(line.get_xdata()) > 1 for line in validation.get_lines())
+
+
+def test_resume_says_where_it_starts_and_names_an_intact_checkpoint(workspace, tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "6", "--save-every", "2", *run_args(workspace, out)]) == 0
+    newest = out / "checkpoints" / "step-00000006"
+    (newest / "optimizer.pt").write_bytes(b"damaged")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out)]) == 2
+    intact = out / "checkpoints" / "step-00000004"
+    err = capsys.readouterr().err
+    assert f"checkpoint {newest} is corrupt" in err and f"the newest intact checkpoint is {intact}" in err
+    assert f"--resume {intact}" in err and err.count("\n") == 1
+    assert main(["train", "--resume", str(intact)]) == 0
+    assert f"resuming from step 4 of 6 ({intact})" in capsys.readouterr().err
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_commands_print_no_third_party_import_noise(tmp_path: Path) -> None:
+    """transformers imports torchao when it is installed, which logs about kernels for other
+    hardware; slimopt's commands keep those lines off the console."""
+    result = subprocess.run(
+        [sys.executable, "-m", "slimopt.cli", "memory", "--model", "llama_9m", "--optimizer", "adamw"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Failed to load" not in result.stderr and "_pytree" not in result.stderr

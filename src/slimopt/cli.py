@@ -6,22 +6,27 @@
     slimopt compare --preset demo
     slimopt memory --model llama_7b --optimizer galore_adamw8bit --rank 1024 --layerwise --gpu-memory 24
 
-Every user error (a bad flag value, path, preset, optimizer, checkpoint) ends with one line
-``slimopt: error: …`` and exit code 2, without a traceback. ``slimopt memory`` exits with 1 when
-the step does not fit the card given with ``--gpu-memory``.
+Every user error (a bad flag value, path, preset, optimizer, checkpoint, an ``--out`` that holds a
+run) ends with one line ``slimopt: error: …`` and exit code 2, without a traceback; a warning is
+one line ``slimopt: warning: …``. ``slimopt memory`` exits with 1 when the step does not fit the
+card given with ``--gpu-memory``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
 import sys
+import warnings
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from slimopt import __version__
 from slimopt.layerwise import REFRESH_FROM
-from slimopt.optimizer import STORAGE_DEFAULTS
+from slimopt.optimizer import PROJECTION_DEFAULTS, STORAGE_DEFAULTS
 from slimopt.registry import OPTIMIZERS, OPTION_TYPES, available_optimizers, resolve_name
 from slimopt.train.models import LLAMA_PRESETS
 
@@ -46,15 +51,38 @@ PRESETS: dict[str, dict[str, Any]] = {
         "update_proj_gap": 50,
         "eval_every": 50,
         "eval_batches": 8,
-        "out": "runs/demo",
     }
 }
+# Loggers of packages that transformers imports when they are installed (torchao through its
+# quantizers), which report at import time on kernels for other hardware: not slimopt's business.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+# "--lr -1e-3": argparse takes a value that starts with "-" and is no plain decimal for a flag.
+NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with every error on one line (``slimopt: error: …``, exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"slimopt: error: {message}\n")
+
+
+def _option_help(name: str) -> str:
+    if name == "rank":
+        return "GaLore rank (default: a quarter of the projected matrices' smaller side, r = n/4)"
+    default = {**PROJECTION_DEFAULTS, **STORAGE_DEFAULTS}.get(name)
+    if name == "states":
+        return "state storage: fp32, bf16, int8, int4 or ternary (default: the optimizer's own)"
+    if name == "weight_decay":
+        return "decoupled weight decay (default 0.01)"
+    shown = "the format's own" if default is None else default
+    return f"optimizer option {name} (default {shown})"
 
 
 def _run_flags(parser: argparse.ArgumentParser) -> None:
-    from slimopt.train.loop import TrainConfig
+    from slimopt.train.loop import DEVICES, TrainConfig
 
-    defaults = TrainConfig()
+    defaults = TrainConfig(out="unused")
     parser.add_argument("--config", help="YAML or TOML file with any of these options")
     parser.add_argument("--model", help=f"preset ({', '.join(LLAMA_PRESETS)}) or a Hugging Face config path")
     parser.add_argument(
@@ -78,13 +106,25 @@ def _run_flags(parser: argparse.ArgumentParser) -> None:
         "--grad-clip", type=float, help="global gradient-norm clip, 0 to disable (default 1.0)"
     )
     parser.add_argument(
-        "--eval-every", type=int, help=f"steps between validations (default {defaults.eval_every})"
+        "--eval-every", type=int, help="steps between validations (default: a tenth of --steps)"
     )
     parser.add_argument(
         "--eval-batches", type=int, help=f"validation batches (default {defaults.eval_batches})"
     )
     parser.add_argument("--save-every", type=int, help="steps between checkpoints (default: only at the end)")
-    parser.add_argument("--out", help="output directory")
+    parser.add_argument(
+        "--out",
+        help="run directory (default: a new runs/<model>-<optimizer>-<time>, printed at start and end)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=None,
+        help="replace a run already in --out (default: refuse)",
+    )
+    parser.add_argument(
+        "--device", choices=DEVICES, help="auto (CUDA when available; the default), cpu or cuda"
+    )
     parser.add_argument("--seed", type=int, help="random seed (default 0)")
     parser.add_argument("--bf16", action="store_true", default=None, help="bf16 autocast")
     parser.add_argument("--checkpointing", action="store_true", default=None, help="activation checkpointing")
@@ -100,17 +140,22 @@ def _run_flags(parser: argparse.ArgumentParser) -> None:
         help="with --layerwise: compute projection refreshes from the whole step's gradient (step, "
         "the default) or from its first micro-batch's (micro_batch: no projected gradient kept whole)",
     )
-    parser.add_argument("--max-documents", type=int, help="read at most this many documents")
+    parser.add_argument("--max-documents", type=int, help="read at most this many documents (default: all)")
     for name, kind in OPTIMIZER_FLAGS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"optimizer option {name}")
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help=_option_help(name))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slimopt", description="Memory-lean LLM training and comparison.")
+    parser = Parser(prog="slimopt", description="Memory-lean LLM training and comparison.")
+    parser.add_argument("--version", action="version", version=f"slimopt {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train one model with one optimizer")
     train.add_argument("--optimizer", help=f"one of: {', '.join(available_optimizers())} (default adamw)")
-    train.add_argument("--resume", help="run directory (or checkpoint directory) to continue from")
+    train.add_argument(
+        "--resume",
+        help="run directory (its newest checkpoint) or checkpoint directory to continue from; the run's "
+        "config.json supplies every option, flags given again override it",
+    )
     _run_flags(train)
     compare = commands.add_parser("compare", help="train the same model with several optimizers and compare")
     compare.add_argument("--optimizers", help="comma-separated names; the first is the reference")
@@ -149,7 +194,7 @@ def _memory_flags(parser: argparse.ArgumentParser) -> None:
         "--measure", metavar="DEVICE", help="run the step for real on cpu or cuda instead of predicting it"
     )
     for name, kind in OPTIMIZER_FLAGS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"optimizer option {name}")
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help=_option_help(name))
 
 
 def run_memory(args: argparse.Namespace) -> int:
@@ -174,9 +219,9 @@ def run_memory(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown device {args.measure!r} for --measure; valid: cpu, cuda")
         if args.measure == "cuda" and not __import__("torch").cuda.is_available():
             raise ValueError("--measure cuda: no CUDA device is available")
-        plan = measure_memory(args.model, args.optimizer, device=args.measure, **setting)
+        plan = measure_memory(args.model, args.optimizer, device=args.measure, progress=True, **setting)
     else:
-        plan = plan_memory(args.model, args.optimizer, **setting)
+        plan = plan_memory(args.model, args.optimizer, progress=True, **setting)
     print(plan_as_json(plan) if args.json else plan.report())
     return 1 if plan.fits is False else 0
 
@@ -247,30 +292,53 @@ def make_config(options: dict[str, Any], optimizer: str | None = None, *, strict
 
 
 def run_train(options: dict[str, Any]) -> dict[str, Any]:
-    from slimopt.train.loop import train
+    from slimopt.train.loop import describe, train
+    from slimopt.train.rundir import run_directory
 
     if options.get("resume"):
         # Continue the run as it was configured; flags given now override its config.json.
-        saved = Path(options["resume"]) / "config.json"
+        run = run_directory(options["resume"])
+        saved = run / "config.json"
         if saved.is_file():
             base = json.loads(saved.read_text())
             base.pop("resume", None)
             options = {**base.pop("optimizer_options", {}), **base, **options}
-        options.setdefault("out", options["resume"])
+        options.setdefault("out", str(run))
     summary = train(make_config(options))
-    print(json.dumps(summary, indent=1))
+    print(describe(summary))
     return summary
 
 
-def run_compare(options: dict[str, Any]) -> list[dict[str, Any]]:
+def run_compare(options: dict[str, Any], preset: str | None) -> list[dict[str, Any]]:
     from slimopt.train.compare import compare
+    from slimopt.train.rundir import claim, default_out
 
     names = [n.strip() for n in str(options.pop("optimizers", "adamw,galore_adamw")).split(",") if n.strip()]
-    out = Path(options.pop("out", "runs/compare"))
+    out = Path(options.pop("out", None) or default_out(preset or "compare"))
+    # Every run is checked before the first one starts (a comparison stopped halfway is not mixed).
     configs = [
-        make_config({**options, "out": str(out / name)}, optimizer=name, strict=False) for name in names
+        make_config({**options, "out": str(out / name), "overwrite": False}, optimizer=name, strict=False)
+        for name in names
     ]
+    claim(out, overwrite=bool(options.get("overwrite")))
+    print(f"comparing {', '.join(names)}; results in {out}", file=sys.stderr)
     return compare(configs, out)
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """``--flag -1e-3`` as ``--flag=-1e-3``: argparse would read the number as an unknown flag
+    and print its usage block instead of letting the value's check name it."""
+    joined: list[str] = []
+    for token in argv:
+        if joined and joined[-1].startswith("--") and "=" not in joined[-1] and NUMBER.fullmatch(token):
+            joined[-1] = f"{joined[-1]}={token}"
+        else:
+            joined.append(token)
+    return joined
+
+
+def _one_line_warning(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+    print(f"slimopt: warning: {message}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,20 +346,24 @@ def main(argv: list[str] | None = None) -> int:
     from slimopt.train.checkpoint import CheckpointError
     from slimopt.train.corpus import CorpusError
 
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        options = resolve_options(args)
-        if args.command == "train":
-            summary = run_train(options)
-            return 130 if summary["interrupted"] else 0
-        if args.command == "memory":
-            return run_memory(args)
-        run_compare(options)
-        return 0
-    except (ValueError, CorpusError, CheckpointError) as error:
-        print(f"slimopt: error: {error}", file=sys.stderr)
-        return 2
+    args = parser.parse_args(join_negative_values(sys.argv[1:] if argv is None else argv))
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        try:
+            options = resolve_options(args)
+            if args.command == "train":
+                summary = run_train(options)
+                return 130 if summary["interrupted"] else 0
+            if args.command == "memory":
+                return run_memory(args)
+            results = run_compare(options, getattr(args, "preset", None))
+            return 130 if results[-1]["interrupted"] else 0
+        except (ValueError, CorpusError, CheckpointError) as error:
+            print(f"slimopt: error: {error}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from slimopt import loading
 from slimopt.codecs import STATE_FORMATS, moment_codec, state_key
 from slimopt.codecs.plain import round_to_bf16_stochastically
-from slimopt.codecs.rows import RowSlicedStorage, row_sliced_storage, row_slices, sliced
+from slimopt.codecs.rows import RowSlicedStorage, row_sliced_storage, sliced, slices_to_update
 from slimopt.projection import (
     PROJ_METHODS,
     PROJ_TYPES,
@@ -298,7 +298,7 @@ class GaLoreOptimizer(Optimizer):
                 _update_weights(weights, _as_matrix(direction), lr, 1.0, decay, rounding)
                 return
             # Back-projected a slice of rows at a time: no full-size fp32 update of a large matrix.
-            for rows in row_slices(*weights.shape):
+            for _, rows in slices_to_update(*weights.shape, meta=weights.is_meta):
                 update = project_back(direction, basis, rows)
                 _update_weights(weights[rows], update, lr, group["scale"], decay, rounding)
 
@@ -328,7 +328,7 @@ class GaLoreOptimizer(Optimizer):
         age = self._advance(state)
         lr = self.rule.step_size(group, weights, state["step"])
         rounding = generator if _rounds_stochastically(param, group) else None
-        for index, rows in enumerate(row_slices(*weights.shape)):
+        for index, rows in slices_to_update(*weights.shape, meta=weights.is_meta):
             slice_grad = grad[rows].float()
             if first:
                 moments = self.rule.init_state(slice_grad, group, projected=False)

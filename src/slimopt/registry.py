@@ -7,11 +7,14 @@ whose weights are projected are chosen with Hugging Face's ``optim_target_module
 
 from __future__ import annotations
 
+import math
 import re
+import warnings
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from slimopt.optimizer import (
     PROJECTION_DEFAULTS,
@@ -22,8 +25,6 @@ from slimopt.optimizer import (
     GaLoreAdamW8bit,
     GaLoreOptimizer,
 )
-
-DEFAULT_RANK = 128
 
 # Projection and storage options, with the type a text value (a flag, optim_args) is read as.
 OPTION_TYPES: dict[str, type] = {
@@ -141,6 +142,40 @@ def select_target_modules(model: nn.Module, target_modules: str | list[str] | No
     return selected
 
 
+def default_rank(matrices: list[Tensor]) -> int:
+    """The GaLore paper's rank, r = n/4: a quarter of the smaller dimension most of ``matrices``
+    share (a transformer's hidden size: 1024 for LLaMA-7B, 512 for LLaMA-1B)."""
+    sides = Counter(min(_matrix_sides(matrix)) for matrix in matrices)
+    return max(1, sides.most_common(1)[0][0] // 4)
+
+
+def _matrix_sides(matrix: Tensor) -> tuple[int, int]:
+    return matrix.shape[0], math.prod(matrix.shape[1:])
+
+
+def warn_if_projection_saves_nothing(matrices: list[Tensor], rank: int) -> None:
+    """A ``UserWarning`` when moments in a rank-``rank`` space plus the bases take as many
+    numbers as the moments of the whole matrices (2·m·n): projection would only cost."""
+    full = projected = 0
+    breakeven = None
+    for matrix in matrices:
+        long, short = sorted(_matrix_sides(matrix), reverse=True)
+        if short == 0:
+            continue
+        r = min(rank, short)
+        full += 2 * long * short
+        projected += 2 * long * r + r * short  # moments in the projected space, then the basis
+        limit = (2 * long * short) // (2 * long + short)
+        breakeven = limit if breakeven is None else min(breakeven, limit)
+    if full and projected >= full:
+        warnings.warn(
+            f"rank {rank} saves no optimizer state: projected moments and bases hold {projected:,} "
+            f"numbers, the unprojected moments {full:,}; choose a rank of at most {breakeven}",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def build_optimizer(
     model: nn.Module,
     name: str,
@@ -155,8 +190,9 @@ def build_optimizer(
 
     The param groups, each named by ``group["name"]``, in this order (empty ones left out):
     ``"projected"`` (projecting optimizers only: the weights of the selected linear modules,
-    rank ``rank``, default 128, plus any projection ``options``), ``"unprojected"`` (every other
-    matrix) and ``"no_decay"`` (1-D parameters: biases and norms, without weight decay).
+    rank ``rank``, default ``default_rank`` of them, plus any projection ``options``),
+    ``"unprojected"`` (every other matrix) and ``"no_decay"`` (1-D parameters: biases and norms,
+    without weight decay). A rank at which projection saves no state warns.
     Remaining ``options`` (``weight_decay``, ``betas``, …) go to the optimizer class. Raises
     ``ValueError`` for an unknown name, for projection options on an unprojected optimizer, or
     for a target selection that matches nothing.
@@ -178,13 +214,12 @@ def build_optimizer(
             weight = modules[module_name].weight
             if weight.requires_grad:
                 projected_ids.add(id(weight))
+    projected = [p for i, p in params.items() if i in projected_ids]
+    if spec.projected and projected:
+        rank = default_rank(projected) if rank is None else rank
+        warn_if_projection_saves_nothing(projected, rank)
     groups = [
-        {
-            "name": "projected",
-            "params": [p for i, p in params.items() if i in projected_ids],
-            "rank": DEFAULT_RANK if rank is None else rank,
-            **projection,
-        },
+        {"name": "projected", "params": projected, "rank": rank, **projection},
         {
             "name": "unprojected",
             "params": [p for i, p in params.items() if i not in projected_ids and p.dim() >= 2],

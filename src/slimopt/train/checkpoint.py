@@ -71,19 +71,34 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     """The checkpoint with the highest step under ``directory`` that has a manifest, or None.
 
     Raises ``CheckpointError`` when ``directory`` does not exist."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist")
-    complete = sorted(p for p in directory.glob(f"{PREFIX}*") if (p / MANIFEST).exists())
+    complete = checkpoints(directory)
     return complete[-1] if complete else None
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Verify the checkpoint at ``path``, then restore ``model`` and ``optimizer`` from it and
-    return the trainer state. Raises ``CheckpointError`` (and changes nothing) when a file is
-    missing, truncated or altered, or when the parameters do not match ``model``."""
-    from safetensors.torch import load_file
+def checkpoints(directory: str | Path) -> list[Path]:
+    """The checkpoints under ``directory`` that have a manifest, oldest first. Raises
+    ``CheckpointError`` when ``directory`` does not exist."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist")
+    return sorted(p for p in directory.glob(f"{PREFIX}*") if (p / MANIFEST).exists())
 
+
+def newest_intact(directory: str | Path, before: Path) -> Path | None:
+    """The newest checkpoint under ``directory`` older than ``before`` that verifies, or None."""
+    for path in reversed(checkpoints(directory)):
+        if path.name < before.name:
+            try:
+                verify_checkpoint(path)
+            except CheckpointError:
+                continue
+            return path
+    return None
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Raise ``CheckpointError`` unless every file of the checkpoint at ``path`` is present and
+    matches the size and SHA-256 its manifest records."""
     path = Path(path)
     manifest_path = path / MANIFEST
     if not manifest_path.exists():
@@ -99,6 +114,16 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
         if _describe(file) != expected.get(name):
             raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its manifest entry")
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Verify the checkpoint at ``path``, then restore ``model`` and ``optimizer`` from it and
+    return the trainer state. Raises ``CheckpointError`` (and changes nothing) when a file is
+    missing, truncated or altered, or when the parameters do not match ``model``."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    verify_checkpoint(path)
     weights = load_file(str(path / "model.safetensors"))
     _check_model(path, model, weights)
     optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)

@@ -5,26 +5,41 @@ table (validation perplexity, ratio to the first optimizer, state bytes, peak me
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
 from slimopt.train.loop import TrainConfig, train
 
+# One style per optimizer, so that lines that overlap stay distinguishable.
+LINE_STYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
 
 def compare(configs: list[TrainConfig], out: Path, *, progress: bool = True) -> list[dict[str, Any]]:
     """Train each configuration, write ``results.json``, ``results.md`` and ``losses.png`` under
-    ``out``, print the table and return the summaries."""
+    ``out``, print the table and return the summaries. A run interrupted by SIGINT ends the
+    comparison (its summary is the last one returned) without writing the results."""
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for config in configs:
-        summary = train(config, progress=progress)
+    for number, config in enumerate(configs, start=1):
+        summary = train(config, progress=progress, label=f"{config.optimizer} {number}/{len(configs)}")
         history = [json.loads(line) for line in (Path(config.out) / "metrics.jsonl").read_text().splitlines()]
         results.append({**summary, "history": history})
+        if summary["interrupted"]:
+            print(
+                f"comparison stopped; continue {config.optimizer}'s run with: slimopt train --resume "
+                f"{shlex.quote(str(config.out))}",
+                file=sys.stderr,
+            )
+            return results
     (out / "results.json").write_text(json.dumps(results, indent=1))
     table = markdown_table(results)
     (out / "results.md").write_text(table)
     plot_losses(results, out / "losses.png")
     print(table)
+    print(f"results in {out}: results.md, results.json, losses.png; one run directory per optimizer")
     return results
 
 
@@ -48,28 +63,38 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_losses(results: list[dict[str, Any]], path: Path) -> None:
+def loss_figure(results: list[dict[str, Any]]) -> Any:
+    """A matplotlib figure: training loss (left) and validation loss (right) against the step,
+    one line style and marker per optimizer."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, (train_axis, val_axis) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in results:
+    for index, r in enumerate(results):
+        style = {"linestyle": LINE_STYLES[index % len(LINE_STYLES)], "label": r["optimizer"]}
+        marker = MARKERS[index % len(MARKERS)]
         steps = [h["step"] for h in r["history"]]
-        train_axis.plot(steps, [h["loss"] for h in r["history"]], label=r["optimizer"], linewidth=1)
+        train_axis.plot(steps, [h["loss"] for h in r["history"]], linewidth=1.2, **style)
         evaluated = [h for h in r["history"] if "val_loss" in h]
         val_axis.plot(
-            [h["step"] for h in evaluated],
-            [h["val_loss"] for h in evaluated],
-            marker="o",
-            label=r["optimizer"],
+            [h["step"] for h in evaluated], [h["val_loss"] for h in evaluated], marker=marker, **style
         )
     for axis, title in ((train_axis, "training loss"), (val_axis, "validation loss")):
-        axis.set_xlabel("step")
+        axis.set_xlabel("optimizer step")
+        axis.set_ylabel(f"{title} (nats per token)")
         axis.set_title(title)
         axis.grid(alpha=0.3)
         axis.legend()
     figure.tight_layout()
+    return figure
+
+
+def plot_losses(results: list[dict[str, Any]], path: Path) -> None:
+    """Save ``loss_figure(results)`` as a PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    figure = loss_figure(results)
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -12,8 +12,11 @@ import contextlib
 import json
 import math
 import random
+import shlex
 import signal
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +27,17 @@ from torch import Tensor, nn
 from slimopt.layerwise import check_refresh_from, layerwise
 from slimopt.memory import LiveBytes, state_nbytes, state_tensors
 from slimopt.registry import build_optimizer
-from slimopt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from slimopt.train.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    newest_intact,
+    save_checkpoint,
+)
 from slimopt.train.corpus import load_corpus, split_documents
 from slimopt.train.models import build_llama, enable_checkpointing
+from slimopt.train.rundir import claim, default_out, run_directory
 from slimopt.train.tokenizer import (
     TextTokenizer,
     bpe_tokenizer,
@@ -53,10 +64,12 @@ class TrainConfig:
     warmup: float = 0.1  # a fraction of the steps if < 1, else a number of steps
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
-    eval_every: int = 100
+    eval_every: int | None = None  # None: a tenth of the steps (10 validations per run)
     eval_batches: int = 20
     save_every: int = 0  # 0: only at the end (and on SIGINT)
-    out: str = "runs/slimopt"
+    out: str | None = None  # None: runs/<model>-<optimizer>-<time>, new for every run
+    overwrite: bool = False  # replace a run already in ``out`` (else starting there is refused)
+    device: str = "auto"  # auto (CUDA when available), cpu or cuda
     resume: str | None = None
     seed: int = 0
     bf16: bool = False
@@ -68,23 +81,54 @@ class TrainConfig:
     optimizer_options: dict[str, Any] = field(default_factory=dict)  # rank, states, weight_decay, …
 
     def __post_init__(self) -> None:
+        """Validate every value (``ValueError`` naming the flag and the value) and fill in the
+        defaults that depend on others (``eval_every``, ``out``)."""
+        for name in ("steps", "seq_len", "vocab_size", "batch_size", "eval_batches"):
+            _check(name, getattr(self, name), "a positive integer", lambda v: v > 0)
+        if self.micro_batch_size is not None:
+            _check("micro_batch_size", self.micro_batch_size, "a positive integer", lambda v: v > 0)
         micro = self.micro_batch_size or self.batch_size
-        if self.batch_size <= 0 or micro <= 0 or self.batch_size % micro:
+        if self.batch_size % micro:
             raise ValueError(
                 f"batch size {self.batch_size} is not a positive multiple of the micro-batch size {micro}"
             )
-        for name in ("steps", "seq_len", "vocab_size", "eval_every", "eval_batches"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.lr < 0 or self.warmup < 0 or self.save_every < 0 or self.grad_clip < 0:
-            raise ValueError("lr, warmup, save-every and grad-clip must be >= 0")
+        _check("lr", self.lr, "a positive number", lambda v: v > 0)
+        for name in ("warmup", "grad_clip", "save_every"):
+            _check(name, getattr(self, name), "a number >= 0", lambda v: v >= 0)
+        _check("min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]", lambda v: 0 <= v <= 1)
+        if self.eval_every is None:
+            self.eval_every = max(1, self.steps // 10)
+        _check("eval_every", self.eval_every, "a positive integer", lambda v: v > 0)
+        if self.device not in DEVICES:
+            raise ValueError(f"unknown --device {self.device!r}; valid: {', '.join(DEVICES)}")
         check_refresh_from(self.refresh_from, self.layerwise, "add --layerwise")
         if self.resume and not Path(self.resume).is_dir():
             raise ValueError(f"resume directory {self.resume!r} does not exist")
+        if self.out is None:
+            self.out = str(default_out(f"{Path(self.model).name}-{self.optimizer}"))
 
     @property
     def accumulation(self) -> int:
         return self.batch_size // (self.micro_batch_size or self.batch_size)
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _check(name: str, value: Any, expected: str, valid: Callable[[Any], bool]) -> None:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not valid(value):
+        raise ValueError(f"{flag} must be {expected}, got {value!r}")
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device of ``--device`` (auto: CUDA when available); raises ``ValueError`` for cuda
+    without a CUDA device."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available; valid here: auto, cpu")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
@@ -187,13 +231,21 @@ class _Interrupt:
         signal.signal(signal.SIGINT, self.previous)
 
 
-def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
-    """Run (or resume) training; return the summary that is also written to ``out/summary.json``."""
+def train(config: TrainConfig, *, progress: bool = True, label: str | None = None) -> dict[str, Any]:
+    """Run (or resume) training; return the summary that is also written to ``out/summary.json``.
+
+    With ``progress`` a bar (named ``label``, default the optimizer) shows the steps and short
+    messages go to stderr: the run directory, the device, a resumed step, each validation, and
+    on SIGINT the command that continues the run. Raises ``ValueError`` (a ``CheckpointError``
+    for checkpoints) for a run that cannot start, before anything is written."""
+    say = _messenger(progress)
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
+    resuming_here = config.resume is not None and run_directory(config.resume).resolve() == out.resolve()
+    if not resuming_here:
+        claim(out, overwrite=config.overwrite)
+    device = resolve_device(config.device)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer, train_rows, validation_rows = prepare_data(config)
     model = build_model(config, tokenizer.vocab_size).to(device)
     optimizer = build_optimizer(model, config.optimizer, lr=config.lr, **config.optimizer_options)
@@ -205,24 +257,26 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     start = 0
     metrics_path = out / "metrics.jsonl"
     if config.resume:
-        run = Path(config.resume)
-        checkpoint = latest_checkpoint(run / "checkpoints" if (run / "checkpoints").is_dir() else run)
-        if checkpoint is None:
-            raise ValueError(f"no checkpoint under {config.resume!r} to resume from")
-        state = load_checkpoint(checkpoint, model, optimizer)
+        checkpoint, state = _resume(config.resume, model, optimizer)
         schedule.load_state_dict(state["schedule"])
         batches.position, start = state["position"], state["step"]
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
+        say(f"resuming from step {start} of {config.steps} ({checkpoint})")
         # Steps logged after the checkpoint are redone: drop them from the log.
         if metrics_path.exists():
             kept = [
                 line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= start
             ]
             metrics_path.write_text("".join(line + "\n" for line in kept))
-    elif metrics_path.exists():
-        metrics_path.unlink()
-    (out / "config.json").write_text(json.dumps(asdict(config), indent=1))
+    out.mkdir(parents=True, exist_ok=True)
+    saved_config = {k: v for k, v in asdict(config).items() if k != "overwrite"}
+    (out / "config.json").write_text(json.dumps(saved_config, indent=1))
+    parameters = sum(p.numel() for p in model.parameters())
+    say(
+        f"training {config.model} ({_count(parameters)} parameters) with {config.optimizer}"
+        f"{_rank_note(optimizer, config)} on {device}; run directory {out}"
+    )
 
     def save(step: int) -> Path:
         trainer_state = {
@@ -251,10 +305,11 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # a comparison trains several models in one process
-    bar = _progress(progress, config.steps, start)
+    bar = _progress(progress, config.steps, start, label or config.optimizer)
     tokens_per_step = config.batch_size * config.seq_len
-    summary: dict[str, Any] = {"optimizer": config.optimizer, "interrupted": False}
+    summary: dict[str, Any] = {"optimizer": config.optimizer, "interrupted": False, "out": str(out)}
     memory = 0
+    began_run = time.perf_counter()
     with _Interrupt() as interrupt:
         for step in range(start + 1, config.steps + 1):
             began = time.perf_counter()
@@ -290,6 +345,8 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             if step % config.eval_every == 0 or step == config.steps:
                 record["val_loss"] = evaluate(model, validation_rows, config, device)
                 record["val_ppl"] = math.exp(record["val_loss"])
+                val_loss, val_ppl = record["val_loss"], record["val_ppl"]
+                say(f"step {step}: validation loss {val_loss:.4f}, perplexity {val_ppl:.2f}")
             log(record)
             bar.update(1)
             bar.set_postfix(
@@ -300,7 +357,11 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
             )
             if interrupt.requested:
                 summary["interrupted"] = True
-                save(step)
+                checkpoint = save(step)
+                say(
+                    f"interrupted at step {step} of {config.steps}; saved {checkpoint}. "
+                    f"Continue with: slimopt train --resume {shlex.quote(str(out))}"
+                )
                 break
             if config.save_every and step % config.save_every == 0 and step != config.steps:
                 save(step)
@@ -313,20 +374,96 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     evaluations = [r for r in history if "val_loss" in r]
     summary |= {
         "steps": history[-1]["step"] if history else start,
+        "total_steps": config.steps,
+        "seconds": time.perf_counter() - began_run,
         "final_train_loss": history[-1]["loss"] if history else None,
         "val_loss": evaluations[-1]["val_loss"] if evaluations else None,
         "val_ppl": evaluations[-1]["val_ppl"] if evaluations else None,
         "state_bytes": state_nbytes(optimizer),
         "peak_memory_bytes": max((r["memory_bytes"] for r in history if "memory_bytes" in r), default=0),
         "tokens_per_s": sum(r["tokens_per_s"] for r in history) / max(1, len(history)),
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameters,
         "tokenizer": tokenizer.description,
+        "device": str(device),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
-def _progress(enabled: bool, total: int, initial: int) -> Any:
+def describe(summary: dict[str, Any]) -> str:
+    """The end of a run in a few human lines: results, and where the files are."""
+    done = "interrupted after" if summary["interrupted"] else "finished"
+    lines = [
+        f"{summary['optimizer']}: {done} {summary['steps']} of {summary['total_steps']} steps in "
+        f"{_duration(summary['seconds'])} on {summary['device']}"
+    ]
+    if summary["final_train_loss"] is not None:
+        results = f"training loss {summary['final_train_loss']:.4f}"
+        if summary["val_loss"] is not None:
+            results += f", validation loss {summary['val_loss']:.4f} (perplexity {summary['val_ppl']:.2f})"
+        lines.append("  " + results)
+    lines.append(
+        f"  optimizer state {summary['state_bytes'] / 2**20:.2f} MiB, peak memory "
+        f"{summary['peak_memory_bytes'] / 2**20:.1f} MiB, {summary['tokens_per_s']:.0f} tokens/s"
+    )
+    lines.append(f"  files in {summary['out']}: config.json, metrics.jsonl, summary.json, checkpoints/")
+    return "\n".join(lines)
+
+
+def _count(number: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if number >= scale:
+            return f"{number / scale:.1f}{suffix}"
+    return str(number)
+
+
+def _duration(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{seconds:.1f} s" if seconds < 60 else f"{minutes} min {rest} s"
+
+
+def _resume(resume: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Path, dict[str, Any]]:
+    """Load the checkpoint ``--resume`` names (a run: its newest; or a checkpoint directory)."""
+    path = Path(resume)
+    if (path / MANIFEST).exists():
+        directory, checkpoint = path.parent, path
+    else:
+        directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        checkpoint = latest_checkpoint(directory)
+        if checkpoint is None:
+            raise ValueError(f"no checkpoint under {resume!r} to resume from")
+    try:
+        return checkpoint, load_checkpoint(checkpoint, model, optimizer)
+    except CheckpointError as error:
+        older = newest_intact(directory, before=checkpoint)
+        if older is None:
+            raise
+        raise CheckpointError(f"{error}; the newest intact checkpoint is {older}: --resume {older}") from None
+
+
+def _rank_note(optimizer: torch.optim.Optimizer, config: TrainConfig) -> str:
+    ranks = [group["rank"] for group in optimizer.param_groups if "rank" in group]
+    if not ranks:
+        return ""
+    if "rank" in config.optimizer_options:
+        return f" (rank {ranks[0]})"
+    return f" (rank {ranks[0]}, the default: a quarter of the matrices' smaller side)"
+
+
+def _messenger(enabled: bool) -> Callable[[str], None]:
+    """Prints a line to stderr without breaking a progress bar (nothing when not ``enabled``)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
+    def say(message: str) -> None:
+        if enabled:
+            tqdm.write(message, file=sys.stderr)
+
+    return say
+
+
+def _progress(enabled: bool, total: int, initial: int, label: str) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True, desc=label
+    )
