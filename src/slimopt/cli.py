@@ -82,7 +82,7 @@ def _option_help(name: str) -> str:
 def _run_flags(parser: argparse.ArgumentParser) -> None:
     from slimopt.train.loop import DEVICES, TrainConfig
 
-    defaults = TrainConfig(out="unused")
+    defaults = TrainConfig()
     parser.add_argument("--config", help="YAML or TOML file with any of these options")
     parser.add_argument("--model", help=f"preset ({', '.join(LLAMA_PRESETS)}) or a Hugging Face config path")
     parser.add_argument(
