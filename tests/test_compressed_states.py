@@ -24,7 +24,9 @@ SHAPE = (1024, 96)
 def decoded_moments(
     optimizer: GaLoreAdamW, param: torch.Tensor, shape: torch.Size
 ) -> dict[str, torch.Tensor]:
-    return optimizer._decode_all(optimizer.state[param], optimizer.param_groups[0], shape)
+    moments = decoded_state(optimizer, param)
+    assert moments["exp_avg"].shape == shape
+    return moments
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:

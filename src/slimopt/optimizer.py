@@ -25,6 +25,7 @@ from slimopt import loading
 from slimopt.codecs import STATE_FORMATS, moment_codec, state_key
 from slimopt.codecs.plain import round_to_bf16_stochastically
 from slimopt.codecs.rows import RowSlicedStorage, row_sliced_storage, sliced, slices_to_update
+from slimopt.distributed import RowSharding, is_sharded, local_view, placement_error, row_sharding
 from slimopt.projection import (
     PROJ_METHODS,
     PROJ_TYPES,
@@ -42,6 +43,8 @@ SUBSPACE_POLICIES = ("keep", "reset", "rotate")
 # Random streams of stochastic rounding within one step of one parameter.
 UPDATE_STREAM, SUBSPACE_CHANGE_STREAM, LOAD_STREAM, BASIS_STREAM = 0, 1, 2, 3
 STREAM_STRIDE = 0x9E3779B9  # ⌊2³²/φ⌋, odd
+# The attribute a parameter carries its place in the whole model under (see _param_ordinals).
+IDENTITY = "_slimopt_identity"
 # How a projection basis is stored: entries of orthonormal vectors lose little to 8 bits.
 BASIS_STATES = ("fp32", "bf16", "int8")
 BASIS_KEYS = ("basis_left", "basis_right")
@@ -80,6 +83,7 @@ class GaLoreOptimizer(Optimizer):
         if options.get("rank") is None:
             options.pop("rank", None)
         self._ordinals: dict[Tensor, tuple[int, int, int]] | None = None
+        self._shardings: dict[Tensor, RowSharding | None] = {}  # DTensors split by rows
         self._layerwise: Any = None  # the active slimopt.layerwise handle
         storage = {**STORAGE_DEFAULTS, "states": self.default_states}
         super().__init__(params, {**defaults, **PROJECTION_DEFAULTS, **storage, **options})
@@ -108,7 +112,58 @@ class GaLoreOptimizer(Optimizer):
             + _storage_errors(group)
             + _projection_errors(group)
             + self._complex_errors(group)
+            + self._sharding_errors(group)
         )
+
+    def _sharding_errors(self, group: dict[str, Any]) -> list[str]:
+        """DTensors split by rows are updated shard by shard, which is exact for an elementwise
+        rule, and for a projection whose basis is on the unsplit side (right, r×n) found by the
+        subspace method from all-reduced sketches."""
+        errors = [error for p in group["params"] if (error := placement_error(p)) is not None]
+        split = [p for p in group["params"] if is_sharded(p) and type(p.placements[0]).__name__ == "Shard"]
+        if errors or not split:
+            return errors
+        if not self.rule.elementwise:
+            return [
+                f"{type(self).__name__} needs whole-tensor statistics (RMS, factored means), but "
+                f"parameters {[tuple(p.shape) for p in split]} are split by rows; use an AdamW "
+                "optimizer under FSDP2"
+            ]
+        projected = [p for p in split if _projected(p, group)]
+        if projected and group["proj_method"] != "subspace":
+            errors.append(
+                f"proj_method={group['proj_method']!r} needs whole gradients, but parameters "
+                f"{[tuple(p.shape) for p in projected]} are split by rows; use proj_method='subspace'"
+            )
+        left = [
+            tuple(p.shape)
+            for p in projected
+            if group["proj_type"] in PROJ_TYPES
+            and projection_sides(_matrix_shape(p.shape), group["proj_type"])[0]
+        ]
+        if left:
+            errors.append(
+                f"proj_type={group['proj_type']!r} puts the basis of {left} on the rows, which are split "
+                "across processes; use proj_type='right' (basis r×n, replicated) under FSDP2"
+            )
+        return errors
+
+    def _sharding(self, param: Tensor) -> RowSharding | None:
+        """How ``param`` is split by rows (a collective the first time), or None."""
+        if param not in self._shardings:
+            self._shardings[param] = row_sharding(param)
+        return self._shardings[param]
+
+    def _layout(self, param: Tensor, shape: torch.Size) -> torch.Size:
+        """The shape that chooses the storage format of a moment of local ``shape``: the global
+        one for a parameter split by rows, so every process stores it alike."""
+        sharding = self._sharding(param)
+        return shape if sharding is None else torch.Size((sharding.rows, *shape[1:]))
+
+    def _agreed(self, param: Tensor, flag: bool) -> bool:
+        """``flag``, agreed on by every process holding a shard of ``param`` (all of them true)."""
+        sharding = self._sharding(param)
+        return flag if sharding is None else sharding.all_agree(flag)
 
     def _complex_errors(self, group: dict[str, Any]) -> list[str]:
         """Complex parameters are updated as real pairs (as torch.optim does), which is exact
@@ -193,7 +248,7 @@ class GaLoreOptimizer(Optimizer):
         loading.restore_storage(self, storage)
 
     def _update(self, param: Tensor, group: dict[str, Any]) -> None:
-        prepared = self._gradient_in_space(param, group, param.grad)
+        prepared = self._gradient_in_space(param, group, local_view(param.grad))
         if prepared is not None:
             self._apply_update(param, group, *prepared)
 
@@ -254,7 +309,7 @@ class GaLoreOptimizer(Optimizer):
         if basis is None:
             self._skip(param, state, "no projection basis could be computed yet")
             return None
-        return project(grad.reshape(param.shape[0], -1), basis), basis
+        return project(_as_matrix(grad), basis), basis
 
     def _refreshed_basis(self, param: Tensor, group: dict[str, Any], grad: Tensor) -> Basis | None:
         """The basis of a projected ``param`` for this step, refreshed from ``grad`` first when
@@ -263,13 +318,13 @@ class GaLoreOptimizer(Optimizer):
         if not state:
             self._init_state(param, group, state)
         if self._refresh_due(state, group):
-            self._refresh(param, grad.reshape(param.shape[0], -1).float(), state, group)
+            self._refresh(param, _as_matrix(grad).float(), state, group)
         return self._basis(param, group)
 
     def _apply_update(self, param: Tensor, group: dict[str, Any], grad: Tensor, basis: Basis | None) -> None:
         """Run the rule on ``grad`` (already in the basis' space) and update ``param``."""
         state = self.state[param]
-        if not _all_finite(grad):
+        if not self._agreed(param, _all_finite(grad)):
             self._skip(param, state, "non-finite gradient")
             return
         if self._by_row_slices(param, group):
@@ -277,19 +332,20 @@ class GaLoreOptimizer(Optimizer):
             return
         # Contiguous, so that moments created like it and the direction have a 2-D view.
         grad = grad.float().contiguous()
-        generator = self._rounding_generator(param, state, group, grad.shape)
+        layout = self._layout(param, grad.shape)
+        generator = self._rounding_generator(param, state, group, layout)
         if "moment_step" not in state:
             for key, value in self.rule.init_state(grad, group, projected=basis is not None).items():
                 if key in self.rule.moment_kinds:
-                    self._encode(state, key, value, group, generator)
+                    self._encode(state, key, value, group, generator, layout)
                 else:
                     state[key] = value
             state["moment_step"] = 0
         age = self._advance(state)
-        moments = self._decode_all(state, group, grad.shape)
+        moments = self._decode_all(state, group, grad.shape, layout)
         direction = self.rule.direction(grad, {**state, **moments}, age, group)
         for key, value in moments.items():
-            self._encode(state, key, value, group, generator)
+            self._encode(state, key, value, group, generator, layout)
         with _matrix_of(param) as weights:
             lr = self.rule.step_size(group, weights, state["step"])
             decay = group["weight_decay"]
@@ -304,7 +360,7 @@ class GaLoreOptimizer(Optimizer):
 
     def _by_row_slices(self, param: Tensor, group: dict[str, Any]) -> bool:
         """Whether an update of ``param`` (and its moments' storage) goes by slices of rows."""
-        return not self._projects(param, group) and self.rule.elementwise and sliced(_real(param).shape)
+        return not self._projects(param, group) and self.rule.elementwise and sliced(_values(param).shape)
 
     def _apply_by_row_slices(self, param: Tensor, group: dict[str, Any], grad: Tensor) -> None:
         """An elementwise rule on a large unprojected matrix, one slice of rows at a time; its
@@ -320,11 +376,11 @@ class GaLoreOptimizer(Optimizer):
         first = "moment_step" not in state
         if first:
             for key, storage in storages.items():
-                for part, tensor in storage.allocate(param.device, _real(param).shape).items():
+                for part, tensor in storage.allocate(param.device, _values(param).shape).items():
                     state[state_key(key, part)] = tensor
             state["moment_step"] = 0
         stored = {key: _stored_parts(state, key, storage.sizes) for key, storage in storages.items()}
-        generator = self._rounding_generator(param, state, group, grad.shape)
+        generator = self._rounding_generator(param, state, group, self._layout(param, grad.shape))
         age = self._advance(state)
         lr = self.rule.step_size(group, weights, state["step"])
         rounding = generator if _rounds_stochastically(param, group) else None
@@ -341,7 +397,7 @@ class GaLoreOptimizer(Optimizer):
 
     def _row_storages(self, param: Tensor, group: dict[str, Any]) -> dict[str, RowSlicedStorage]:
         """The slice-by-slice layout of each moment of a matrix updated by slices of rows."""
-        rows, cols = _matrix_shape(_real(param).shape)
+        rows, cols = _matrix_shape(_values(param).shape)
         return {
             key: row_sliced_storage(group["states"], kind, rows, cols, group["block_size"])
             for key, kind in self.rule.moment_kinds.items()
@@ -361,18 +417,19 @@ class GaLoreOptimizer(Optimizer):
             return {}
         moment_parts = set()
         if self._projects(param, group):
-            shape = projected_shape(_matrix_shape(param.shape), self._basis(param, group))
+            shape = projected_shape(_matrix_shape(_values(param).shape), self._basis(param, group))
         else:
-            shape = _real(param).shape
+            shape = _values(param).shape
         if self._by_row_slices(param, group):
             moments = {}
             for key, storage in self._row_storages(param, group).items():
                 moments[key] = storage.decode_all(_stored_parts(state, key, storage.sizes)).view(shape)
                 moment_parts |= {state_key(key, part) for part in storage.sizes}
         else:
-            moments = self._decode_all(state, group, shape)
+            layout = self._layout(param, shape)
+            moments = self._decode_all(state, group, shape, layout)
             for key, kind in self.rule.moment_kinds.items():
-                codec = moment_codec(group["states"], kind, shape, group["block_size"])
+                codec = moment_codec(group["states"], kind, layout, group["block_size"])
                 moment_parts |= {state_key(key, part) for part in codec.parts}
         for key, value in state.items():  # the rule's own statistics (Adafactor's factored ones)
             if isinstance(value, Tensor) and key not in moment_parts and key.split(".")[0] not in BASIS_KEYS:
@@ -386,15 +443,15 @@ class GaLoreOptimizer(Optimizer):
         stored = [key for key, value in state.items() if isinstance(value, Tensor)]
         for key in [key for key in stored if key.split(".")[0] not in BASIS_KEYS]:
             del state[key]
-        shapes = {key: value.shape for key, value in moments.items()}
-        generator = self._rounding_generator(param, state, group, next(iter(shapes.values())), LOAD_STREAM)
+        layouts = {key: self._layout(param, value.shape) for key, value in moments.items()}
+        generator = self._rounding_generator(param, state, group, next(iter(layouts.values())), LOAD_STREAM)
         storages = self._row_storages(param, group) if self._by_row_slices(param, group) else {}
         for key, value in moments.items():
             if key in storages:
                 for part, stored in storages[key].encode_all(value, generator).items():
                     state[state_key(key, part)] = stored
             elif key in self.rule.moment_kinds:
-                self._encode(state, key, value, group, generator)
+                self._encode(state, key, value, group, generator, layouts[key])
             else:
                 state[key] = value
 
@@ -421,13 +478,18 @@ class GaLoreOptimizer(Optimizer):
             state["refresh_offset"] = (projected_ordinal * gap) // projected_count if group["stagger"] else 0
 
     def _param_ordinals(self) -> dict[Tensor, tuple[int, int, int]]:
-        """Map each parameter to (ordinal, ordinal among projected matrices, projected count)."""
+        """Map each parameter to (ordinal, ordinal among projected matrices, projected count):
+        they seed its random draws and stagger its refreshes. A parameter that carries
+        ``IDENTITY`` (``slimopt.distributed.zero_redundancy_optimizer`` stamps the whole model's
+        on each) keeps those, so a process that holds some of the parameters draws as one that
+        holds all of them."""
         if self._ordinals is None:
             projected = [p for g in self.param_groups for p in g["params"] if _projected(p, g)]
             projected_index = {p: i for i, p in enumerate(projected)}
             every = [p for g in self.param_groups for p in g["params"]]
             self._ordinals = {
-                p: (i, projected_index.get(p, 0), max(len(projected), 1)) for i, p in enumerate(every)
+                p: getattr(p, IDENTITY, (i, projected_index.get(p, 0), max(len(projected), 1)))
+                for i, p in enumerate(every)
             }
         return self._ordinals
 
@@ -442,10 +504,10 @@ class GaLoreOptimizer(Optimizer):
         decomposition fails, keep the old one and warn."""
         old = self._basis(param, group)
         has_old = old is not None
-        if not _all_finite(grad):
+        if not self._agreed(param, _all_finite(grad)):
             self._warn(param, state, "non-finite gradient at a projection refresh; keeping the old basis")
             return
-        if not grad.is_meta and not bool(grad.any()):
+        if not grad.is_meta and self._agreed(param, not bool(grad.any())):
             # Its singular vectors would be arbitrary: a random basis, and moments rotated away.
             # Without an old basis the update is skipped, and says so.
             if has_old:
@@ -460,10 +522,11 @@ class GaLoreOptimizer(Optimizer):
             new = compute_basis(
                 grad,
                 group["rank"],
-                projection_sides(tuple(grad.shape), group["proj_type"]),
+                projection_sides(_matrix_shape(param.shape), group["proj_type"]),
                 group["proj_method"],
                 old if has_old else None,
                 generator,
+                self._sharding(param),
             )
         except RuntimeError as error:
             self._warn(param, state, f"projection refresh failed ({error}); keeping the old basis")
@@ -472,34 +535,43 @@ class GaLoreOptimizer(Optimizer):
             self._warn(param, state, "projection refresh produced non-finite values; keeping the old basis")
             return
         if has_old and "moment_step" in state:
-            self._carry_moments(state, group, projected_shape(grad.shape, old), old, new)
+            self._carry_moments(param, state, group, projected_shape(grad.shape, old), old, new)
         self._store_basis(param, group, new)
 
     def _carry_moments(
-        self, state: dict[str, Any], group: dict[str, Any], shape: torch.Size, old: Basis, new: Basis
+        self,
+        param: Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        shape: torch.Size,
+        old: Basis,
+        new: Basis,
     ) -> None:
-        """Apply the group's ``on_subspace_change`` policy to the moments stored in ``old``'s basis."""
+        """Apply the group's ``on_subspace_change`` policy to the moments stored in ``old``'s basis
+        (``shape``: the moments' local shape)."""
         policy = group["on_subspace_change"]
         if policy == "keep":
             return
-        generator = self._rounding_generator(None, state, group, shape, SUBSPACE_CHANGE_STREAM)
-        for key, value in self._decode_all(state, group, shape).items():
+        layout = self._layout(param, shape)
+        generator = self._rounding_generator(param, state, group, layout, SUBSPACE_CHANGE_STREAM)
+        for key, value in self._decode_all(state, group, shape, layout).items():
             if policy == "rotate":
                 squared = self.rule.moment_kinds[key] == "square"
                 value = rotate_moment(value, old, new, squared=squared)
             else:
                 value = torch.zeros_like(value)
-            self._encode(state, key, value, group, generator)
+            self._encode(state, key, value, group, generator, layout)
         if policy == "reset":
             state["moment_step"] = 0
 
     def _decode_all(
-        self, state: dict[str, Any], group: dict[str, Any], shape: torch.Size
+        self, state: dict[str, Any], group: dict[str, Any], shape: torch.Size, layout: torch.Size
     ) -> dict[str, Tensor]:
-        """The fp32 value of every stored moment of the rule; ``shape`` is the moments' shape."""
+        """The fp32 value of every stored moment of the rule; ``shape`` is the moments' (local)
+        shape, ``layout`` the shape the storage format is chosen by (``_layout``)."""
         moments = {}
         for key, kind in self.rule.moment_kinds.items():
-            codec = moment_codec(group["states"], kind, shape, group["block_size"])
+            codec = moment_codec(group["states"], kind, layout, group["block_size"])
             stored = {part: state.get(state_key(key, part)) for part in codec.parts}
             if all(value is not None for value in stored.values()):
                 moments[key] = codec.decode(stored, shape)
@@ -512,17 +584,18 @@ class GaLoreOptimizer(Optimizer):
         value: Tensor,
         group: dict[str, Any],
         generator: torch.Generator | None,
+        layout: torch.Size,
     ) -> None:
-        codec = moment_codec(group["states"], self.rule.moment_kinds[key], value.shape, group["block_size"])
+        codec = moment_codec(group["states"], self.rule.moment_kinds[key], layout, group["block_size"])
         for part, stored in codec.encode(value, generator).items():
             state[state_key(key, part)] = stored
 
     def _rounding_generator(
         self,
-        param: Tensor | None,
+        param: Tensor,
         state: dict[str, Any],
         group: dict[str, Any],
-        shape: torch.Size,
+        layout: torch.Size,
         stream: int = UPDATE_STREAM,
     ) -> torch.Generator | None:
         """A generator for stochastic rounding of the states (and of ``param``'s values, when it
@@ -532,11 +605,12 @@ class GaLoreOptimizer(Optimizer):
         Roundings of one step that follow each other (moments carried to a new basis, then
         updated) must draw from different streams: the same uniform numbers twice would make
         the pair biased."""
-        codecs = [moment_codec(group["states"], kind, shape) for kind in set(self.rule.moment_kinds.values())]
-        rounds_param = param is not None and _rounds_stochastically(param, group)
-        if not rounds_param and not any(codec.stochastic for codec in codecs):
+        codecs = [
+            moment_codec(group["states"], kind, layout) for kind in set(self.rule.moment_kinds.values())
+        ]
+        if not _rounds_stochastically(param, group) and not any(codec.stochastic for codec in codecs):
             return None
-        device = param.device if param is not None else _state_device(state)
+        device = param.device
         generator = torch.Generator(device="cpu" if device.type == "meta" else device)
         generator.manual_seed(_rounding_seed(state, stream))
         return generator
@@ -582,6 +656,12 @@ def _projected(param: Tensor, group: dict[str, Any]) -> bool:
     return "rank" in group and param.dim() >= 2 and param.numel() > 0
 
 
+def _values(param: Tensor) -> Tensor:
+    """The values an update works on: this process's shard of a DTensor, as real pairs if complex
+    (an alias of the parameter)."""
+    return _real(local_view(param))
+
+
 def _real(tensor: Tensor) -> Tensor:
     """A complex tensor as real pairs (``torch.view_as_real``, as torch.optim does), else itself."""
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
@@ -605,7 +685,7 @@ def _matrix_of(param: Tensor) -> Iterator[Tensor]:
     """A writable ``shape[0] × rest`` view of ``param``'s values (of its real pairs, if complex).
     A parameter whose layout has no such view (channels_last) is updated in a contiguous copy
     that is written back at the end."""
-    values = _real(param)
+    values = _values(param)
     if values.is_contiguous():
         yield _as_matrix(values)
         return
@@ -646,10 +726,6 @@ def _update_weights(
 def _stored_parts(state: dict[str, Any], key: str, parts: Iterable[str]) -> dict[str, Tensor]:
     """The stored tensors of moment ``key``, by part."""
     return {part: state[state_key(key, part)] for part in parts}
-
-
-def _state_device(state: dict[str, Any]) -> torch.device:
-    return next(v.device for v in state.values() if isinstance(v, Tensor))
 
 
 def _storage_errors(group: dict[str, Any]) -> list[str]:

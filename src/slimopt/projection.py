@@ -20,7 +20,7 @@ positive, which makes refreshes reproducible across devices and methods.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -126,6 +126,17 @@ def canonicalize_signs(vectors: Tensor, dim: int) -> Tensor:
     return vectors.mul_(signs)
 
 
+class RowShards(Protocol):
+    """How a gradient is split by rows across processes (``slimopt.distributed.RowSharding``):
+    what the subspace method needs to find a right basis without gathering the gradient."""
+
+    rows: int  # global rows
+    offset: int  # this process's first row
+
+    def all_reduce(self, tensor: Tensor) -> Tensor:
+        """``tensor`` summed over the processes, the same on every one."""
+
+
 def compute_basis(
     grad: Tensor,
     rank: int,
@@ -133,21 +144,34 @@ def compute_basis(
     method: str,
     previous: Basis | None = None,
     generator: torch.Generator | None = None,
+    shards: RowShards | None = None,
 ) -> Basis:
     """Return the top-``rank`` singular basis of a 2-D fp32 ``grad`` for the sides in ``uses``.
 
     ``previous`` warm-starts the ``"subspace"`` method; ``generator`` (a CPU generator) seeds its
-    random directions.
+    random directions. With ``shards``, ``grad`` is this process's rows of a gradient split by
+    rows: only a right basis (r×n) can be found, by the subspace method, from all-reduced n×k
+    sketches (Gᵀ(G Y) = Σ Gₚᵀ(Gₚ Y)), never the m×n gradient; every process gets the same basis.
     Raises ``torch.linalg.LinAlgError`` (a ``RuntimeError``) when a decomposition fails and
-    ``ValueError`` for an unknown method.
+    ``ValueError`` for an unknown method or a sharded gradient with another method or side.
     """
     uses_left, uses_right = uses
-    rank = min(rank, *grad.shape)
+    if shards is not None and (uses_left or method != "subspace"):
+        raise ValueError("a gradient split by rows takes only a right basis by the subspace method")
+    global_shape = grad.shape if shards is None else (shards.rows, grad.shape[1])
+    rank = min(rank, *global_shape)
     if method == "svd":
         u, _, vh = torch.linalg.svd(grad, full_matrices=False)
         left, right = u[:, :rank], vh[:rank]
     elif method == "subspace":
-        left, right = _subspace_basis(grad, rank, uses, previous, generator)
+        # Iterate on the side that holds the basis; for a right-only basis work on Gᵀ.
+        if shards is not None:
+            operator: _Operator = _ShardedTranspose(grad, shards)
+        else:
+            operator = _Whole(grad if uses_left else grad.T)
+        warm = None if previous is None else (previous.left if uses_left else previous.right.T)
+        found, right = _subspace_basis(operator, rank, warm, generator, need_right=uses_left and uses_right)
+        left, right = (found, right) if uses_left else (None, found.T)
     else:
         raise ValueError(f"unknown proj_method {method!r}; valid: {', '.join(PROJ_METHODS)}")
     return Basis(
@@ -156,39 +180,92 @@ def compute_basis(
     )
 
 
+class _Operator(Protocol):
+    """The matrix A whose top left singular vectors the subspace method finds (A is G or Gᵀ)."""
+
+    shape: tuple[int, int]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """A x, for x as ``gaussian`` and ``adjoint`` give it."""
+
+    def adjoint(self, y: Tensor) -> Tensor:
+        """Aᵀ y."""
+
+    def gram(self, reduced: Tensor) -> Tensor:
+        """reducedᵀ reduced, for ``reduced`` = Aᵀ Q."""
+
+    def gaussian(self, cols: int, generator: torch.Generator | None) -> Tensor:
+        """A random ``shape[1]`` × ``cols`` block (this process's rows of it)."""
+
+
+class _Whole:
+    """A, whole on this process."""
+
+    def __init__(self, matrix: Tensor) -> None:
+        self.matrix, self.shape = matrix, tuple(matrix.shape)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.matrix @ x
+
+    def adjoint(self, y: Tensor) -> Tensor:
+        return self.matrix.T @ y
+
+    def gram(self, reduced: Tensor) -> Tensor:
+        return reduced.T @ reduced
+
+    def gaussian(self, cols: int, generator: torch.Generator | None) -> Tensor:
+        return _gaussian(self.shape[1], cols, self.matrix, generator)
+
+
+class _ShardedTranspose:
+    """A = Gᵀ for a gradient G split by rows: vectors in A's domain (G's rows) stay split, and
+    every product into A's range (n×k) or a k×k Gram matrix is all-reduced."""
+
+    def __init__(self, local: Tensor, shards: RowShards) -> None:
+        self.local, self.shards = local, shards
+        self.shape = (local.shape[1], shards.rows)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.shards.all_reduce(self.local.T @ x)
+
+    def adjoint(self, y: Tensor) -> Tensor:
+        return self.local @ y
+
+    def gram(self, reduced: Tensor) -> Tensor:
+        return self.shards.all_reduce(reduced.T @ reduced)
+
+    def gaussian(self, cols: int, generator: torch.Generator | None) -> Tensor:
+        # The whole block is drawn on every process, so the basis equals an unsharded run's.
+        block = _gaussian(self.shards.rows, cols, self.local, generator)
+        return block[self.shards.offset : self.shards.offset + self.local.shape[0]]
+
+
 def _subspace_basis(
-    grad: Tensor,
+    operator: _Operator,
     rank: int,
-    uses: tuple[bool, bool],
-    previous: Basis | None,
+    warm: Tensor | None,
     generator: torch.Generator | None,
-) -> tuple[Tensor | None, Tensor | None]:
-    """Top singular vectors for the sides in ``uses`` by warm-started subspace iteration."""
-    uses_left, uses_right = uses
-    # Iterate on the side that holds the basis; for a right-only basis work on Gᵀ.
-    transposed = not uses_left
-    matrix = grad.T if transposed else grad
-    warm = None
-    if previous is not None:
-        warm = previous.right.T if transposed else previous.left
-    if warm is not None and warm.shape == (matrix.shape[0], rank):
+    *,
+    need_right: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Top ``rank`` left (and right) singular vectors of the operator's matrix by warm-started
+    subspace iteration."""
+    rows, cols = operator.shape
+    if warm is not None and warm.shape == (rows, rank):
         # The old basis plus a small power-iterated random sketch of the new gradient: the sketch
         # finds directions that appeared since the last refresh, and the Rayleigh-Ritz step below
         # picks the best rank-r subspace of the union with a single large matrix product.
-        extra = min(WARM_OVERSAMPLE, matrix.shape[0] - rank)
-        sketch = matrix @ _gaussian(matrix.shape[1], extra, matrix, generator)
+        extra = min(WARM_OVERSAMPLE, rows - rank)
+        sketch = operator.forward(operator.gaussian(extra, generator))
         for _ in range(WARM_POWER_ITERS):
-            sketch = matrix @ (matrix.T @ _orthonormal(sketch))
+            sketch = operator.forward(operator.adjoint(_orthonormal(sketch)))
         range_basis = _orthonormal(torch.cat([warm, sketch], dim=1))
     else:
-        width = min(rank + COLD_OVERSAMPLE, *matrix.shape)
-        range_basis = _orthonormal(matrix @ _gaussian(matrix.shape[1], width, matrix, generator))
+        width = min(rank + COLD_OVERSAMPLE, rows, cols)
+        range_basis = _orthonormal(operator.forward(operator.gaussian(width, generator)))
         for _ in range(COLD_POWER_ITERS):
-            range_basis = _orthonormal(matrix @ (matrix.T @ range_basis))
-    left, right = _rayleigh_ritz(matrix, range_basis, rank, need_right=uses_left and uses_right)
-    if transposed:
-        return None, left.T
-    return left, right
+            range_basis = _orthonormal(operator.forward(operator.adjoint(range_basis)))
+    return _rayleigh_ritz(operator, range_basis, rank, need_right=need_right)
 
 
 def _gaussian(rows: int, cols: int, like: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -203,16 +280,17 @@ def _orthonormal(block: Tensor) -> Tensor:
 
 
 def _rayleigh_ritz(
-    matrix: Tensor, range_basis: Tensor, rank: int, *, need_right: bool
+    operator: _Operator, range_basis: Tensor, rank: int, *, need_right: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """Best rank-``rank`` singular vectors of ``matrix`` inside the span of ``range_basis``."""
-    reduced = matrix.T @ range_basis  # n×k: (Qᵀ G)ᵀ
-    gram = reduced.T @ reduced  # Qᵀ G Gᵀ Q, k×k
+    """Best rank-``rank`` singular vectors of the operator's matrix A inside the span of
+    ``range_basis``."""
+    reduced = operator.adjoint(range_basis)  # n×k: (Qᵀ A)ᵀ
+    gram = operator.gram(reduced)  # Qᵀ A Aᵀ Q, k×k
     eigenvalues, eigenvectors = torch.linalg.eigh(gram)
     top = eigenvectors[:, -rank:].flip(1)
     left = range_basis @ top
     if not need_right:
         return left, None
-    singular_values = eigenvalues[-rank:].flip(0).clamp_min(torch.finfo(matrix.dtype).tiny).sqrt()
+    singular_values = eigenvalues[-rank:].flip(0).clamp_min(torch.finfo(reduced.dtype).tiny).sqrt()
     right = (reduced @ top / singular_values).T
     return left, right

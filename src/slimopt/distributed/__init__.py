@@ -1,0 +1,114 @@
+"""Multi-process training: parameters that FSDP2 shards by rows, the collectives they need, and
+ZeRO-1 (``zero_redundancy_optimizer``).
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) turns each parameter into a DTensor split by rows
+(``Shard(0)``) over a 1-D device mesh, unevenly when the rows do not divide. slimopt updates the
+local shard: elementwise rules need nothing else; a projected matrix keeps its right basis (r×n)
+on every process and its moments by rows, so projecting and projecting back stay local, and a
+refresh all-reduces n×k sketches instead of gathering the m×n gradient
+(``slimopt.projection.compute_basis``). Decisions every process must take alike (skip a step,
+keep a basis) are agreed on with one all-reduce.
+
+Under ZeRO-1 each process's optimizer holds a part of the parameters; what seeds a parameter's
+random draws and staggers its refreshes is its place in the whole model, stamped on it by
+``zero_redundancy_optimizer``, so the run equals a one-process one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def is_sharded(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (FSDP2's parameters and gradients)."""
+    return type(tensor).__name__ == "DTensor"
+
+
+def local_view(tensor: Tensor) -> Tensor:
+    """This process's part of a DTensor (an alias: writing it writes the parameter), else the
+    tensor itself."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+@dataclass(frozen=True)
+class RowSharding:
+    """How a DTensor split by rows is laid out: its process group, global row count, and the
+    first global row of this process's shard."""
+
+    group: Any
+    rows: int
+    offset: int
+
+    def all_reduce(self, tensor: Tensor) -> Tensor:
+        """``tensor`` summed over the group (in place), identical on every process."""
+        torch.distributed.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every process of the group."""
+        vote = torch.tensor([0 if flag else 1], dtype=torch.int64)
+        torch.distributed.all_reduce(vote, group=self.group)
+        return int(vote) == 0
+
+
+def placement_error(param: Tensor) -> str | None:
+    """Why slimopt cannot update this DTensor exactly, or None (a plain tensor, a replicated
+    one, or one split by rows over a 1-D mesh)."""
+    if not is_sharded(param):
+        return None
+    (placement,) = param.placements if param.device_mesh.ndim == 1 else (None,)
+    kind = type(placement).__name__
+    if kind == "Replicate" or (kind == "Shard" and placement.dim == 0):
+        return None
+    return (
+        f"parameter {tuple(param.shape)} is placed as {list(param.placements)} on a "
+        f"{param.device_mesh.ndim}-D mesh; slimopt updates parameters split by rows (Shard(0), "
+        "FSDP2's default) or replicated, on a 1-D mesh"
+    )
+
+
+def row_sharding(param: Tensor) -> RowSharding | None:
+    """The ``RowSharding`` of a DTensor split by rows, else None.
+
+    DTensor splits rows as ``torch.chunk`` does (⌈m/p⌉ rows per process, the last ones fewer or
+    none), so a shard's first row follows from the process's place in the mesh, without
+    communication. Raises ``ValueError`` for a shard of another size."""
+    if not is_sharded(param) or type(param.placements[0]).__name__ != "Shard":
+        return None
+    mesh = param.device_mesh
+    rows, place, count = param.shape[0], mesh.get_local_rank(), mesh.size()
+    chunk = -(-rows // count)
+    offset = min(place * chunk, rows)
+    local = param.to_local().shape[0]
+    if local != min(chunk, rows - offset):
+        raise ValueError(
+            f"parameter {tuple(param.shape)}: process {place} of {count} holds {local} rows, not the "
+            f"{min(chunk, rows - offset)} of torch.chunk's split; slimopt needs that layout"
+        )
+    return RowSharding(mesh.get_group(), rows, offset)
+
+
+def zero_redundancy_optimizer(model: nn.Module, name: str, *, lr: float | None, **options: Any) -> Any:
+    """``torch.distributed.optim.ZeroRedundancyOptimizer`` over slimopt optimizer ``name``, with
+    the param groups ``slimopt.build_optimizer`` makes for ``model`` (same arguments). Each
+    process updates, and computes the bases of, only the parameters it owns; ZeRO broadcasts them.
+
+    Every parameter is stamped with its place in the whole model first, so random draws and
+    refresh staggering do not depend on which process owns it. Raises what ``build_optimizer``
+    raises."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from slimopt.optimizer import IDENTITY
+    from slimopt.registry import OPTIMIZERS, build_optimizer, resolve_name
+
+    whole = build_optimizer(model, name, lr=lr, **options)  # no state yet: groups and places only
+    for param, identity in whole._param_ordinals().items():
+        setattr(param, IDENTITY, identity)
+    groups = [{**group, "params": list(group["params"])} for group in whole.param_groups]
+    cls = OPTIMIZERS[resolve_name(name)].cls
+    hyper = {key: value for key, value in whole.defaults.items() if key != "differentiable"}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **hyper)
