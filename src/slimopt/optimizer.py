@@ -25,7 +25,7 @@ from slimopt import loading
 from slimopt.codecs import STATE_FORMATS, moment_codec, state_key
 from slimopt.codecs.plain import round_to_bf16_stochastically
 from slimopt.codecs.rows import RowSlicedStorage, row_sliced_storage, sliced, slices_to_update
-from slimopt.distributed import RowSharding, is_sharded, local_view, placement_error, row_sharding
+from slimopt.distributed import RowSharding, local_view, placement_error, row_sharding, split_by_rows
 from slimopt.projection import (
     PROJ_METHODS,
     PROJ_TYPES,
@@ -120,7 +120,7 @@ class GaLoreOptimizer(Optimizer):
         rule, and for a projection whose basis is on the unsplit side (right, r×n) found by the
         subspace method from all-reduced sketches."""
         errors = [error for p in group["params"] if (error := placement_error(p)) is not None]
-        split = [p for p in group["params"] if is_sharded(p) and type(p.placements[0]).__name__ == "Shard"]
+        split = [p for p in group["params"] if split_by_rows(p)]
         if errors or not split:
             return errors
         if not self.rule.elementwise:

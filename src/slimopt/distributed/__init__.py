@@ -28,6 +28,11 @@ def is_sharded(tensor: Tensor) -> bool:
     return type(tensor).__name__ == "DTensor"
 
 
+def split_by_rows(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor split across processes (``Shard``), not replicated."""
+    return is_sharded(tensor) and type(tensor.placements[0]).__name__ == "Shard"
+
+
 def local_view(tensor: Tensor) -> Tensor:
     """This process's part of a DTensor (an alias: writing it writes the parameter), else the
     tensor itself."""
@@ -77,7 +82,7 @@ def row_sharding(param: Tensor) -> RowSharding | None:
     DTensor splits rows as ``torch.chunk`` does (⌈m/p⌉ rows per process, the last ones fewer or
     none), so a shard's first row follows from the process's place in the mesh, without
     communication. Raises ``ValueError`` for a shard of another size."""
-    if not is_sharded(param) or type(param.placements[0]).__name__ != "Shard":
+    if not split_by_rows(param):
         return None
     mesh = param.device_mesh
     rows, place, count = param.shape[0], mesh.get_local_rank(), mesh.size()
