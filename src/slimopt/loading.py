@@ -28,15 +28,9 @@ if TYPE_CHECKING:
     from slimopt.optimizer import GaLoreOptimizer
 
 STORAGE_KEYS = ("states", "block_size", "basis_states")
-# Group keys of torch.optim.Adam/AdamW that slimopt has no use for when they hold these values.
-TORCH_ADAM_NEUTRAL = {
-    "amsgrad": False,
-    "maximize": False,
-    "foreach": None,
-    "capturable": None,
-    "differentiable": False,
-    "fused": None,
-}
+# Group keys of torch.optim.Adam/AdamW that slimopt has no use for (amsgrad, maximize and
+# differentiable set to True are refused first).
+TORCH_ADAM_ONLY = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
 TORCH_ADAM_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 
 
@@ -67,7 +61,7 @@ def from_torch_adam(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> d
     for index, (saved, current) in enumerate(zip(saved_groups, optimizer.param_groups, strict=True)):
         _check_torch_adam_group(index, saved)
         group = {key: value for key, value in current.items() if key != "params"}
-        group |= {key: value for key, value in saved.items() if key not in TORCH_ADAM_NEUTRAL}
+        group |= {key: value for key, value in saved.items() if key not in TORCH_ADAM_ONLY}
         group.pop("decoupled_weight_decay", None)
         group |= {"states": "fp32", "block_size": None, "basis_states": "fp32"}
         groups.append(group)

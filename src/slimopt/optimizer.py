@@ -11,7 +11,6 @@ plain rule. All arithmetic is fp32 whatever the parameter dtype.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -24,7 +23,7 @@ from torch.optim import Optimizer
 from slimopt import loading
 from slimopt.codecs import STATE_FORMATS, moment_codec, state_key
 from slimopt.codecs.plain import round_to_bf16_stochastically
-from slimopt.codecs.rows import RowSlicedStorage, row_sliced_storage, sliced, slices_to_update
+from slimopt.codecs.rows import RowSlicedStorage, matrix_shape, row_sliced_storage, sliced, slices_to_update
 from slimopt.distributed import RowSharding, local_view, placement_error, row_sharding, split_by_rows
 from slimopt.projection import (
     PROJ_METHODS,
@@ -139,7 +138,7 @@ class GaLoreOptimizer(Optimizer):
             tuple(p.shape)
             for p in projected
             if group["proj_type"] in PROJ_TYPES
-            and projection_sides(_matrix_shape(p.shape), group["proj_type"])[0]
+            and projection_sides(matrix_shape(p.shape), group["proj_type"])[0]
         ]
         if left:
             errors.append(
@@ -273,7 +272,7 @@ class GaLoreOptimizer(Optimizer):
 
     @staticmethod
     def _basis_shapes(param: Tensor, group: dict[str, Any]) -> tuple[torch.Size, torch.Size]:
-        rows, cols = _matrix_shape(param.shape)
+        rows, cols = matrix_shape(param.shape)
         rank = min(group["rank"], rows, cols)
         return torch.Size((rows, rank)), torch.Size((rank, cols))
 
@@ -397,7 +396,7 @@ class GaLoreOptimizer(Optimizer):
 
     def _row_storages(self, param: Tensor, group: dict[str, Any]) -> dict[str, RowSlicedStorage]:
         """The slice-by-slice layout of each moment of a matrix updated by slices of rows."""
-        rows, cols = _matrix_shape(_values(param).shape)
+        rows, cols = matrix_shape(_values(param).shape)
         return {
             key: row_sliced_storage(group["states"], kind, rows, cols, group["block_size"])
             for key, kind in self.rule.moment_kinds.items()
@@ -417,7 +416,7 @@ class GaLoreOptimizer(Optimizer):
             return {}
         moment_parts = set()
         if self._projects(param, group):
-            shape = projected_shape(_matrix_shape(_values(param).shape), self._basis(param, group))
+            shape = projected_shape(matrix_shape(_values(param).shape), self._basis(param, group))
         else:
             shape = _values(param).shape
         if self._by_row_slices(param, group):
@@ -437,12 +436,9 @@ class GaLoreOptimizer(Optimizer):
         return moments
 
     def _store_moments(self, param: Tensor, group: dict[str, Any], moments: dict[str, Tensor]) -> None:
-        """Encode ``moments`` (as ``decoded_state`` gives them) with ``group``'s storage format,
-        replacing the stored ones."""
+        """Encode ``moments`` (as ``decoded_state`` gives them) with ``group``'s storage format
+        into a state whose stored tensors have been removed."""
         state = self.state[param]
-        stored = [key for key, value in state.items() if isinstance(value, Tensor)]
-        for key in [key for key in stored if key.split(".")[0] not in BASIS_KEYS]:
-            del state[key]
         layouts = {key: self._layout(param, value.shape) for key, value in moments.items()}
         generator = self._rounding_generator(param, state, group, next(iter(layouts.values())), LOAD_STREAM)
         storages = self._row_storages(param, group) if self._by_row_slices(param, group) else {}
@@ -522,7 +518,7 @@ class GaLoreOptimizer(Optimizer):
             new = compute_basis(
                 grad,
                 group["rank"],
-                projection_sides(_matrix_shape(param.shape), group["proj_type"]),
+                projection_sides(matrix_shape(param.shape), group["proj_type"]),
                 group["proj_method"],
                 old if has_old else None,
                 generator,
@@ -667,17 +663,10 @@ def _real(tensor: Tensor) -> Tensor:
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
-def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
-    """``shape[0] × rest`` (one row for a vector or a scalar)."""
-    if len(shape) < 2:
-        return 1, shape.numel()
-    return shape[0], math.prod(shape[1:])
-
-
 def _as_matrix(tensor: Tensor) -> Tensor:
     """``tensor`` as ``shape[0] × rest`` (one row for a vector or a scalar): a view where the
     layout allows one, else a copy."""
-    return tensor.reshape(_matrix_shape(tensor.shape))
+    return tensor.reshape(matrix_shape(tensor.shape))
 
 
 @contextmanager

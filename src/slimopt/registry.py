@@ -7,7 +7,6 @@ whose weights are projected are chosen with Hugging Face's ``optim_target_module
 
 from __future__ import annotations
 
-import math
 import re
 import warnings
 from collections import Counter
@@ -16,6 +15,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from slimopt.codecs.rows import matrix_shape
 from slimopt.optimizer import (
     PROJECTION_DEFAULTS,
     AdamW4bit,
@@ -145,12 +145,8 @@ def select_target_modules(model: nn.Module, target_modules: str | list[str] | No
 def default_rank(matrices: list[Tensor]) -> int:
     """The GaLore paper's rank, r = n/4: a quarter of the smaller dimension most of ``matrices``
     share (a transformer's hidden size: 1024 for LLaMA-7B, 512 for LLaMA-1B)."""
-    sides = Counter(min(_matrix_sides(matrix)) for matrix in matrices)
+    sides = Counter(min(matrix_shape(matrix.shape)) for matrix in matrices)
     return max(1, sides.most_common(1)[0][0] // 4)
-
-
-def _matrix_sides(matrix: Tensor) -> tuple[int, int]:
-    return matrix.shape[0], math.prod(matrix.shape[1:])
 
 
 def warn_if_projection_saves_nothing(matrices: list[Tensor], rank: int) -> None:
@@ -159,7 +155,7 @@ def warn_if_projection_saves_nothing(matrices: list[Tensor], rank: int) -> None:
     full = projected = 0
     breakeven = None
     for matrix in matrices:
-        long, short = sorted(_matrix_sides(matrix), reverse=True)
+        long, short = sorted(matrix_shape(matrix.shape), reverse=True)
         if short == 0:
             continue
         r = min(rank, short)

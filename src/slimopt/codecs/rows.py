@@ -12,6 +12,7 @@ stacked, so it keeps the matrix's shape, as torch.optim's moments keep the param
 
 from __future__ import annotations
 
+import math
 from functools import cache
 
 import torch
@@ -19,6 +20,14 @@ from torch import Tensor
 
 # Matrices with more elements than this are updated (and stored) in slices of rows this big.
 SLICE_NUMEL = 1 << 22
+
+
+def matrix_shape(shape: torch.Size) -> tuple[int, int]:
+    """(rows, columns) of the 2-D view a tensor is updated, sliced and scaled in: ``shape[0] ×
+    rest``, or one row for a vector or a scalar."""
+    if len(shape) < 2:
+        return 1, shape.numel()
+    return shape[0], math.prod(shape[1:])
 
 
 def sliced(shape: torch.Size) -> bool:

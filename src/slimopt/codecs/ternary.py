@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from slimopt.codecs.plain import FLOAT32_MAX
+from slimopt.codecs.rows import matrix_shape
 
 TRITS_PER_BYTE = 5
 EXPONENT_STEPS_PER_OCTAVE = 4
@@ -56,13 +57,6 @@ def _pad(flat: Tensor, multiple: int) -> Tensor:
 # A row (column) scale is kept when the matrix has at least this many columns (rows): 4 bytes
 # per row over 32 columns is 1/8 byte per element.
 MIN_SCALED_LENGTH = 32
-
-
-def matrix_shape(shape: torch.Size) -> tuple[int, int]:
-    """(rows, columns) of the 2-D view a moment is scaled in: ``shape[0] × rest``, or one row."""
-    if len(shape) < 2:
-        return 1, shape.numel()
-    return shape[0], shape.numel() // max(shape[0], 1)
 
 
 def scale_layout(shape: torch.Size) -> tuple[bool, bool]:
