@@ -83,6 +83,10 @@ def _worker(rank: int, port: int, strategy: str, out: str) -> None:
             results[name] = _train_distributed(strategy, name, rank)
         if strategy == "fsdp2":
             results["refusals"] = _fsdp2_refusals()
+            for name in ("adamw", "galore_adamw"):
+                results[f"{name}.layerwise"] = _fsdp2_layerwise_against_stepping(name, rank)
+        if strategy == "ddp":
+            results["layerwise_refusal"] = _ddp_layerwise_refusal()
         torch.save(results, Path(out) / f"rank{rank}.pt")
     except Exception:
         (Path(out) / f"rank{rank}.error").write_text(traceback.format_exc())
@@ -91,19 +95,61 @@ def _worker(rank: int, port: int, strategy: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+def _fully_sharded_model() -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+ACCUMULATION, CLIP = 2, 0.5
+
+
+def _fsdp2_layerwise_against_stepping(name: str, rank: int) -> list[float]:
+    """FSDP2 with 2 micro-batches per step and per-tensor clipping, stepped as usual and
+    layer-wise; the largest relative distance of a parameter between the two runs, and whether
+    every gradient was freed inside backward."""
+    runs = []
+    for layer_wise in (False, True):
+        model = _fully_sharded_model()
+        optimizer = _optimizer(model, name)
+        handle = slimopt.layerwise(optimizer, ACCUMULATION, max_grad_norm=CLIP) if layer_wise else None
+        for step in range(STEPS):
+            for micro in range(ACCUMULATION):
+                batch = _batch(STEPS * micro + step)[rank::WORLD]
+                (model(input_ids=batch, labels=batch).loss / ACCUMULATION).backward()
+            if handle is None:
+                for param in model.parameters():
+                    torch.nn.utils.clip_grad_norm_([param], CLIP)
+                optimizer.step()
+                optimizer.zero_grad()
+        freed = all(p.grad is None for p in model.parameters())
+        runs.append([p.full_tensor().detach().clone() for p in model.parameters()])
+    distance = max(((a - b).norm() / b.norm()).item() for a, b in zip(runs[1], runs[0], strict=True))
+    return [distance, float(freed)]
+
+
+def _ddp_layerwise_refusal() -> str:
+    model = _model()
+    torch.nn.parallel.DistributedDataParallel(model)
+    try:
+        slimopt.layerwise(_optimizer(model, "galore_adamw"))
+    except RuntimeError as error:
+        return str(error)
+    return "accepted"
+
+
 def _train_distributed(strategy: str, name: str, rank: int) -> dict[str, torch.Tensor]:
     model = _model()
     if strategy == "ddp":
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = _optimizer(model, name)
     elif strategy == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (WORLD,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        wrapped = fully_shard(model, mesh=mesh)
+        wrapped = model = _fully_sharded_model()
         optimizer = _optimizer(model, name)
     elif strategy == "zero1":
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
@@ -269,7 +315,17 @@ def test_distributed_training_equals_one_process(strategy, references, tmp_path)
             assert int(first["gathers_in_step"]) == 0
         if "resumed_equal" in first:  # ZeRO: consolidate_state_dict, load, continue
             assert bool(first["resumed_equal"]) and bool(second["resumed_equal"])
-    if strategy == "fsdp2":  # one line each, at construction, saying what to change
+    if strategy == "ddp":
+        refusal = ranks[0]["layerwise_refusal"]
+        assert "layer-wise mode in a 2-process run" in refusal and "fully_shard (FSDP2)" in refusal
+    if strategy == "fsdp2":
+        # Layer-wise under FSDP2: each hook sees the averaged shard after the reduce-scatter and
+        # clips by the whole tensor's norm. adamw sums the same gradients (equal); galore_adamw
+        # sums projected micro-batches, P(g1) + P(g2) against P(g1 + g2): fp32 rounding.
+        for name, bound in (("adamw", 0.0), ("galore_adamw", 1e-5)):
+            distance, freed = ranks[0][f"{name}.layerwise"]
+            assert distance <= bound and freed == 1.0, (name, distance)
+        # one line each, at construction, saying what to change
         left, svd, adafactor = ranks[0]["refusals"]
         assert "proj_type='std' puts the basis of [(64, 172), (64, 172)] on the rows" in left
         assert "use proj_type='right' (basis r×n, replicated) under FSDP2" in left

@@ -34,8 +34,12 @@ exist at the same time:
 - **Checkpoints** use the optimizer's normal ``state_dict`` between optimizer steps; asking for
   it halfway through an accumulation raises instead of losing the partial sums.
 
-Under a multi-process ``torch.distributed`` run a hook sees the local, not yet averaged gradient,
-so layer-wise mode refuses to start there.
+**Multi-process runs.** Under FSDP2 (``fully_shard``) a parameter's hook fires after the
+reduce-scatter, with this process's rows of the averaged gradient: each process updates its own
+rows, and what must be agreed on (a per-tensor clipping norm, a refresh's sketches, a skipped
+step) is all-reduced within the hook, so the run equals stepping FSDP2 and one process. Under DDP
+a hook sees the process's own gradient before DDP averages it, and DDP keeps every gradient in
+its buckets whatever the optimizer does, so layer-wise mode refuses to start there (use FSDP2).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slimopt.distributed import local_view, split_by_rows
 from slimopt.optimizer import GaLoreOptimizer
 from slimopt.projection import project
 
@@ -180,12 +185,13 @@ class LayerwiseHandle:
         if not self.optimizer._projects(param, group):
             return False
         # No basis (its first refresh failed): the step falls back to the whole gradient.
-        return self.optimizer._refreshed_basis(param, group, param.grad) is not None
+        return self.optimizer._refreshed_basis(param, group, local_view(param.grad)) is not None
 
     def _accumulate_projected(self, param: Tensor, group: dict[str, Any], last: bool) -> None:
         basis = self.optimizer._basis(param, group)
-        dtype = param.grad.dtype
-        total = project(param.grad.reshape(param.shape[0], -1), basis)  # fp32
+        grad = local_view(param.grad)
+        dtype = grad.dtype
+        total = project(grad.reshape(grad.shape[0], -1), basis)  # fp32
         param.grad = None
         buffer = self._buffers.get(param)
         if buffer is not None:
@@ -195,19 +201,25 @@ class LayerwiseHandle:
         self._buffers[param] = total if last else total.to(dtype)
 
     def _step_projected(self, param: Tensor, group: dict[str, Any]) -> None:
-        grad = self._clip(self._buffers.pop(param))
+        grad = self._clip(param, self._buffers.pop(param))
         self.optimizer._apply_update(param, group, grad, self.optimizer._basis(param, group))
 
     def _step_whole(self, param: Tensor, group: dict[str, Any]) -> None:
         self._accumulating.discard(param)
-        prepared = self.optimizer._gradient_in_space(param, group, param.grad)
+        prepared = self.optimizer._gradient_in_space(param, group, local_view(param.grad))
         param.grad = None
         if prepared is not None:
             grad, basis = prepared
-            self.optimizer._apply_update(param, group, self._clip(grad), basis)
+            self.optimizer._apply_update(param, group, self._clip(param, grad), basis)
 
-    def _clip(self, grad: Tensor) -> Tensor:
-        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+    def _clip(self, param: Tensor, grad: Tensor) -> Tensor:
+        """``grad`` (of ``param``, this process's rows of it under FSDP2) scaled to a norm of at
+        most ``max_grad_norm``; the norm is the whole tensor's."""
+        squared = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        sharding = self.optimizer._sharding(param)
+        if sharding is not None:
+            sharding.all_reduce(squared)
+        norm = squared.sqrt()
         self._norms.append(norm)
         if self.max_grad_norm is None:
             return grad
@@ -265,8 +277,8 @@ def layerwise(
     gradient is ever kept whole. While the handle is active ``optimizer.step()`` only ends a
     half-accumulated step early. Raises ``TypeError`` for an optimizer that is not slimopt's or
     a scheduler that needs a metric, ``ValueError`` for a bad count, norm, scheduler or
-    ``refresh_from``, and ``RuntimeError`` when the optimizer is already layer-wise or
-    ``torch.distributed`` runs more than one process.
+    ``refresh_from``, and ``RuntimeError`` when the optimizer is already layer-wise or, in a
+    multi-process run, holds parameters that FSDP2 does not split (DDP's, replicated ones).
     """
     if not isinstance(optimizer, GaLoreOptimizer):
         raise TypeError(
@@ -285,10 +297,23 @@ def layerwise(
         raise ValueError("scheduler must be a learning-rate scheduler of this optimizer")
     if getattr(optimizer, "_layerwise", None) is not None:
         raise RuntimeError("this optimizer is already in layer-wise mode; remove() the first handle")
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if distributed and torch.distributed.get_world_size() > 1:
-        raise RuntimeError(
-            "layer-wise mode under torch.distributed would update from unaveraged local gradients; "
-            "run without layer-wise mode or with one process"
-        )
+    _check_gradients_are_averaged(optimizer)
     return LayerwiseHandle(optimizer, accumulation_steps, max_grad_norm, scheduler, refresh_from)
+
+
+def _check_gradients_are_averaged(optimizer: GaLoreOptimizer) -> None:
+    """Raise ``RuntimeError`` when a hook would see a gradient not yet averaged over processes:
+    in a multi-process run, every parameter must be split by rows (FSDP2 reduce-scatters before
+    the hook fires)."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_world_size() == 1:
+        return
+    plain = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if not split_by_rows(p)]
+    if plain:
+        raise RuntimeError(
+            f"layer-wise mode in a {torch.distributed.get_world_size()}-process run: parameters "
+            f"{plain[:3]}{' …' if len(plain) > 3 else ''} are not split by FSDP2, so their hooks would "
+            "see this process's gradient before it is averaged (DDP averages after backward, and "
+            "keeps every gradient in its buckets anyway); shard the model with fully_shard (FSDP2) "
+            "or step without layer-wise mode"
+        )
