@@ -79,7 +79,11 @@ def _worker(rank: int, port: int, strategy: str, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         results = {}
-        for name in NAMES:
+        if strategy == "dcp":
+            for name in CHECKPOINT_NAMES:
+                results[name] = _checkpoint_run(name, Path(out) / f"{name}-two", WORLD)
+                results[f"{name}.from_one"] = _resumed(name, Path(out) / f"{name}-one", WORLD)
+        for name in NAMES if strategy != "dcp" else []:
             results[name] = _train_distributed(strategy, name, rank)
         if strategy == "fsdp2":
             results["refusals"] = _fsdp2_refusals()
@@ -331,3 +335,113 @@ def test_distributed_training_equals_one_process(strategy, references, tmp_path)
         assert "use proj_type='right' (basis r×n, replicated) under FSDP2" in left
         assert "proj_method='svd' needs whole gradients" in svd and "use proj_method='subspace'" in svd
         assert "GaLoreAdafactor needs whole-tensor statistics" in adafactor
+
+
+# Distributed checkpoints: FSDP2 runs save and load with torch.distributed.checkpoint; one
+# process writes and reads the same format.
+CHECKPOINT_NAMES = ["galore_adamw", "galore_adamw8bit"]
+
+
+def _sharded_or_whole(world: int) -> tuple[torch.nn.Module, int]:
+    return (_fully_sharded_model(), dist.get_rank()) if world > 1 else (_model(), 0)
+
+
+def _steps(model, optimizer, steps: range, world: int, rank: int) -> None:
+    for step in steps:
+        batch = _batch(step)[rank::world]
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _whole(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [
+        (p.full_tensor() if slimopt.distributed.is_sharded(p) else p).detach().clone()
+        for p in model.parameters()
+    ]
+
+
+def _checkpoint_run(name: str, directory: Path, world: int) -> dict[str, list[torch.Tensor]]:
+    """Train 3 steps, save, train 3 more (the uninterrupted run); then a fresh model and
+    optimizer load the checkpoint and train the same 3 steps (the resumed run)."""
+    from slimopt.distributed import checkpoint
+
+    model, rank = _sharded_or_whole(world)
+    optimizer = _optimizer(model, name)
+    _steps(model, optimizer, range(3), world, rank)
+    checkpoint.save(directory, model, optimizer)
+    at_save = _whole(model)
+    _steps(model, optimizer, range(3, 6), world, rank)
+    return {"at_save": at_save, "uninterrupted": _whole(model), "resumed": _resumed(name, directory, world)}
+
+
+def _resumed(name: str, directory: Path, world: int) -> list[torch.Tensor]:
+    """A fresh model and optimizer of ``world`` processes load ``directory`` and take steps 3–5."""
+    from slimopt.distributed import checkpoint
+
+    model, rank = _sharded_or_whole(world)
+    optimizer = _optimizer(model, name)
+    checkpoint.load(directory, model, optimizer)
+    _steps(model, optimizer, range(3, 6), world, rank)
+    return _whole(model)
+
+
+def _relative(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    x, y = torch.cat([t.flatten() for t in ours]), torch.cat([t.flatten() for t in reference])
+    return ((x - y).norm() / y.norm()).item()
+
+
+@pytest.mark.slow  # two processes, two optimizers, five runs each: about 25 s
+def test_distributed_checkpoints_resume_exactly_and_load_into_another_world_size(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from slimopt.distributed import checkpoint
+
+    one = {name: _checkpoint_run(name, tmp_path / f"{name}-one", 1) for name in CHECKPOINT_NAMES}
+    ranks = run_ranks("dcp", tmp_path)
+    for name in CHECKPOINT_NAMES:
+        two = ranks[0][name]
+        # Saved and loaded by 2 processes: every stored tensor restored, the very same run.
+        assert all(torch.equal(a, b) for a, b in zip(two["resumed"], two["uninterrupted"], strict=True))
+        assert all(
+            torch.equal(a, b) for a, b in zip(one[name]["resumed"], one[name]["uninterrupted"], strict=True)
+        )
+        # 2 → 1 and 1 → 2: moments re-split by rows (re-encoded, for int8); the runs then differ
+        # from the uninterrupted ones as 1 and 2 processes do (reduction order, int8 blocks).
+        two_to_one = _resumed(name, tmp_path / f"{name}-two", 1)
+        assert _relative(two_to_one, two["uninterrupted"]) < TOLERANCES["fsdp2"][name]
+        one_to_two = ranks[0][f"{name}.from_one"]
+        assert _relative(one_to_two, one[name]["uninterrupted"]) < TOLERANCES["fsdp2"][name]
+        assert all(torch.equal(a, b) for a, b in zip(one_to_two, ranks[1][f"{name}.from_one"], strict=True))
+    # One file of whole tensors, for inference or fine-tuning elsewhere.
+    exported = load_file(
+        checkpoint.export_model(tmp_path / "galore_adamw-two", tmp_path / "model.safetensors")
+    )
+    names = [key for key, _ in _model().named_parameters()]
+    for key, value in zip(names, ranks[0]["galore_adamw"]["at_save"], strict=True):
+        assert torch.equal(exported[key], value), key
+
+
+def test_checkpoint_load_refuses_another_model_or_optimizer(tmp_path) -> None:
+    from slimopt.distributed import checkpoint
+
+    model = _model()
+    optimizer = _optimizer(model, "galore_adamw8bit")
+    _steps(model, optimizer, range(1), 1, 0)
+    checkpoint.save(tmp_path / "ckpt", model, optimizer)
+    with pytest.raises(ValueError, match="no checkpoint directory"):
+        checkpoint.load(tmp_path / "missing", model, optimizer)
+    from slimopt.train.models import build_llama
+
+    other = build_llama(DIMS, VOCAB + 1, max_seq_len=32)
+    with pytest.raises(
+        ValueError, match=r"model.embed_tokens.weight has shape \(257, 64\), the model's \(258, 64\)"
+    ):
+        checkpoint.load(tmp_path / "ckpt", other, _optimizer(other, "galore_adamw8bit"))
+    with pytest.raises(ValueError, match="rank=32, this optimizer has rank=16"):
+        checkpoint.load(
+            tmp_path / "ckpt", model, slimopt.build_optimizer(model, "galore_adamw", lr=1e-3, rank=16)
+        )
+    with pytest.raises(TypeError, match="saves slimopt optimizers, got AdamW"):
+        checkpoint.save(tmp_path / "other", model, torch.optim.AdamW(model.parameters()))
+    assert not (tmp_path / "other").exists()

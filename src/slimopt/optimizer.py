@@ -357,9 +357,11 @@ class GaLoreOptimizer(Optimizer):
                 update = project_back(direction, basis, rows)
                 _update_weights(weights[rows], update, lr, group["scale"], decay, rounding)
 
-    def _by_row_slices(self, param: Tensor, group: dict[str, Any]) -> bool:
-        """Whether an update of ``param`` (and its moments' storage) goes by slices of rows."""
-        return not self._projects(param, group) and self.rule.elementwise and sliced(_values(param).shape)
+    def _by_row_slices(self, param: Tensor, group: dict[str, Any], shape: torch.Size | None = None) -> bool:
+        """Whether an update of ``param`` (and its moments' storage) goes by slices of rows;
+        ``shape``: the values' shape, if not this process's (a saved shard's)."""
+        shape = _values(param).shape if shape is None else shape
+        return not self._projects(param, group) and self.rule.elementwise and sliced(shape)
 
     def _apply_by_row_slices(self, param: Tensor, group: dict[str, Any], grad: Tensor) -> None:
         """An elementwise rule on a large unprojected matrix, one slice of rows at a time; its
@@ -394,9 +396,12 @@ class GaLoreOptimizer(Optimizer):
                 storage.encode(stored[key], index, moments[key], generator)
             _update_weights(weights[rows], direction, lr, 1.0, group["weight_decay"], rounding)
 
-    def _row_storages(self, param: Tensor, group: dict[str, Any]) -> dict[str, RowSlicedStorage]:
-        """The slice-by-slice layout of each moment of a matrix updated by slices of rows."""
-        rows, cols = matrix_shape(_values(param).shape)
+    def _row_storages(
+        self, param: Tensor, group: dict[str, Any], shape: torch.Size | None = None
+    ) -> dict[str, RowSlicedStorage]:
+        """The slice-by-slice layout of each moment of a matrix updated by slices of rows
+        (``shape``: as for ``_by_row_slices``)."""
+        rows, cols = matrix_shape(_values(param).shape if shape is None else shape)
         return {
             key: row_sliced_storage(group["states"], kind, rows, cols, group["block_size"])
             for key, kind in self.rule.moment_kinds.items()
@@ -411,21 +416,35 @@ class GaLoreOptimizer(Optimizer):
         first update; raises ``KeyError`` for a tensor that is not a parameter of this optimizer.
         """
         group = self._group_of(param)
-        state = self.state.get(param, {})
+        sharding = self._sharding(param)
+        rows = None if sharding is None else sharding.rows
+        return self._decoded(param, group, self.state.get(param, {}), _values(param).shape, rows)
+
+    def _decoded(
+        self,
+        param: Tensor,
+        group: dict[str, Any],
+        state: dict[str, Any],
+        values: torch.Size,
+        rows: int | None,
+    ) -> dict[str, Tensor]:
+        """``decoded_state`` of ``state``, stored by ``group``'s format for values of shape
+        ``values``: this process's, or a saved shard's (a checkpoint written by another number
+        of processes) of a parameter split by rows with ``rows`` rows in all (None: not split)."""
         if "moment_step" not in state:
             return {}
         moment_parts = set()
         if self._projects(param, group):
-            shape = projected_shape(matrix_shape(_values(param).shape), self._basis(param, group))
+            shape = projected_shape(matrix_shape(values), self._basis(param, group))
         else:
-            shape = _values(param).shape
-        if self._by_row_slices(param, group):
+            shape = values
+        if self._by_row_slices(param, group, values):
             moments = {}
-            for key, storage in self._row_storages(param, group).items():
+            for key, storage in self._row_storages(param, group, values).items():
                 moments[key] = storage.decode_all(_stored_parts(state, key, storage.sizes)).view(shape)
                 moment_parts |= {state_key(key, part) for part in storage.sizes}
         else:
-            layout = self._layout(param, shape)
+            layout = shape if rows is None else torch.Size((rows, *shape[1:]))
             moments = self._decode_all(state, group, shape, layout)
             for key, kind in self.rule.moment_kinds.items():
                 codec = moment_codec(group["states"], kind, layout, group["block_size"])
