@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 import warnings
@@ -29,6 +30,7 @@ from slimopt.layerwise import REFRESH_FROM
 from slimopt.optimizer import PROJECTION_DEFAULTS, STORAGE_DEFAULTS
 from slimopt.registry import OPTIMIZERS, OPTION_TYPES, available_optimizers, resolve_name
 from slimopt.train.models import LLAMA_PRESETS
+from slimopt.train.parallel import STRATEGIES
 
 # Flags that configure the optimizer rather than the run, with their types (``stagger``, a
 # boolean that is on by default, is left to config files and the Python API).
@@ -155,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         help="run directory (its newest checkpoint) or checkpoint directory to continue from; the run's "
         "config.json supplies every option, flags given again override it",
+    )
+    train.add_argument(
+        "--distributed",
+        choices=("none", *STRATEGIES),
+        help="under torchrun: ddp (the default there), zero1 (optimizer state split over the "
+        "processes) or fsdp2 (parameters, gradients and state split by rows); none: one process",
     )
     _run_flags(train)
     compare = commands.add_parser("compare", help="train the same model with several optimizers and compare")
@@ -305,7 +313,8 @@ def run_train(options: dict[str, Any]) -> dict[str, Any]:
             options = {**base.pop("optimizer_options", {}), **base, **options}
         options.setdefault("out", str(run))
     summary = train(make_config(options))
-    print(describe(summary))
+    if _first_process():
+        print(describe(summary))
     return summary
 
 
@@ -313,6 +322,10 @@ def run_compare(options: dict[str, Any], preset: str | None) -> list[dict[str, A
     from slimopt.train.compare import compare
     from slimopt.train.rundir import claim, default_out
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            "slimopt compare trains in one process; under torchrun run slimopt train, once per optimizer"
+        )
     names = [n.strip() for n in str(options.pop("optimizers", "adamw,galore_adamw")).split(",") if n.strip()]
     out = Path(options.pop("out", None) or default_out(preset or "compare"))
     # Every run is checked before the first one starts (a comparison stopped halfway is not mixed).
@@ -362,8 +375,14 @@ def main(argv: list[str] | None = None) -> int:
             results = run_compare(options, getattr(args, "preset", None))
             return 130 if results[-1]["interrupted"] else 0
         except (ValueError, CorpusError, CheckpointError) as error:
-            print(f"slimopt: error: {error}", file=sys.stderr)
+            if _first_process():  # under torchrun every process fails alike: say it once
+                print(f"slimopt: error: {error}", file=sys.stderr)
             return 2
+
+
+def _first_process() -> bool:
+    """Whether this is the process that talks (the only one, or torchrun's rank 0)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ from torch.utils._pytree import tree_flatten
 
 
 def state_tensors(optimizer: Optimizer) -> list[Tensor]:
-    """Every tensor in ``optimizer.state`` (step counters and other Python numbers left out)."""
+    """Every tensor in ``optimizer.state`` (step counters and other Python numbers left out); of a
+    ``ZeroRedundancyOptimizer``, this process's part (the optimizer it wraps)."""
+    optimizer = getattr(optimizer, "optim", optimizer)
     return [
         value for state in optimizer.state.values() for value in state.values() if isinstance(value, Tensor)
     ]
@@ -93,6 +95,13 @@ class LiveBytes(TorchDispatchMode):
                 tag = self._tags[key]
                 totals[tag] = totals.get(tag, 0) + size
         return totals
+
+    def reserve(self, nbytes: int) -> None:
+        """Count ``nbytes`` that live outside any tensor the tracker can see (DDP's gradient
+        buckets, allocated inside its C++ reducer) for the whole block."""
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        self.window_peak = max(self.window_peak, self.live)
 
     def adopt(self, tensors: Iterable[Tensor]) -> None:
         """Count tensors created outside the block (weights, a model's buffers)."""

@@ -23,6 +23,32 @@ import torch
 from torch import Tensor, nn
 
 
+def initialized() -> bool:
+    """Whether this process is in a ``torch.distributed`` process group."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def process_rank() -> int:
+    """This process's rank (0 outside a process group)."""
+    return torch.distributed.get_rank() if initialized() else 0
+
+
+def barrier() -> None:
+    """Wait for every process of the group (nothing outside one)."""
+    if initialized():
+        torch.distributed.barrier()
+
+
+def from_first(value: Any) -> Any:
+    """Rank 0's ``value`` (any picklable object) on every process: a check only the first
+    process makes then stops all of them alike."""
+    if not initialized():
+        return value
+    shared = [value]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
 def is_sharded(tensor: Tensor) -> bool:
     """Whether ``tensor`` is a DTensor (FSDP2's parameters and gradients)."""
     return type(tensor).__name__ == "DTensor"

@@ -31,11 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
-from slimopt.distributed import local_view
+from slimopt.distributed import barrier, initialized, local_view, process_rank
 from slimopt.optimizer import GaLoreOptimizer, _values
 
 MODEL, OPTIMIZER = "model/", "optimizer/"
@@ -53,16 +52,13 @@ def save(directory: str | Path, model: nn.Module, optimizer: GaLoreOptimizer) ->
     _check_optimizer(optimizer)
     final = Path(directory)
     staging = final.parent / f".{final.name}.tmp"
-    if _rank() == 0:
+    if process_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)
         staging.parent.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    items = {f"{MODEL}{key}": value for key, value in model.state_dict().items()}
-    items |= _optimizer_items(model, optimizer)
-    with _one_process_is_intended():
-        dcp.save(items, checkpoint_id=staging, no_dist=not _distributed())
-    _barrier()
-    if _rank() == 0:
+    barrier()
+    write(staging, model, optimizer)
+    barrier()
+    if process_rank() == 0:
         if final.exists():
             retired = final.parent / f".{final.name}.old"
             shutil.rmtree(retired, ignore_errors=True)
@@ -71,8 +67,18 @@ def save(directory: str | Path, model: nn.Module, optimizer: GaLoreOptimizer) ->
             shutil.rmtree(retired)
         else:
             staging.rename(final)
-    _barrier()
+    barrier()
     return final
+
+
+def write(directory: str | Path, model: nn.Module, optimizer: GaLoreOptimizer) -> None:
+    """Write the checkpoint into ``directory`` as it is (no staging; ``save`` stages). Every
+    process calls this. Raises ``TypeError`` for an optimizer that is not slimopt's."""
+    _check_optimizer(optimizer)
+    items = {f"{MODEL}{key}": value for key, value in model.state_dict().items()}
+    items |= _optimizer_items(model, optimizer)
+    with _one_process_is_intended():
+        dcp.save(items, checkpoint_id=directory, no_dist=not initialized())
 
 
 def load(directory: str | Path, model: nn.Module, optimizer: GaLoreOptimizer | None = None) -> None:
@@ -94,7 +100,7 @@ def load(directory: str | Path, model: nn.Module, optimizer: GaLoreOptimizer | N
     if plan is not None:
         targets |= plan.targets
     with _one_process_is_intended():
-        dcp.load(targets, checkpoint_id=directory, no_dist=not _distributed())
+        dcp.load(targets, checkpoint_id=directory, no_dist=not initialized())
     model.load_state_dict({key[len(MODEL) :]: targets[key] for key in targets if key.startswith(MODEL)})
     if plan is not None:
         plan.finish(targets)
@@ -337,16 +343,3 @@ def _one_process_is_intended() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()

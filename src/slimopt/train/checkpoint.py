@@ -6,6 +6,12 @@ A checkpoint is a directory ``step-NNNNNNNN`` holding ``model.safetensors``, ``o
 directory and renamed into place, so an interrupted save leaves the previous checkpoints as they
 were and never a directory that looks complete. Loading reads and checks everything (manifest,
 hashes, parameter names and shapes) before it touches the model or the optimizer.
+
+In a multi-process run (``slimopt.train.parallel``) the first process writes these files (after
+ZeRO has gathered the optimizer state onto it), except under FSDP2, where every process writes
+its shards of model and optimizer into ``sharded/`` (``slimopt.distributed.checkpoint``) in
+place of the first two files. A sharded checkpoint loads into any number of processes, one
+included.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from torch import nn
 
 MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "optimizer.pt", "trainer.pt")
+SHARDED = "sharded"  # the DCP directory of a checkpoint written by every process
+SHARDED_FILES = ("trainer.pt", f"{SHARDED}/.metadata")
 PREFIX = "step-"
 
 
@@ -35,35 +43,55 @@ def save_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     trainer: dict[str, Any],
+    *,
+    sharded: bool = False,
 ) -> Path:
     """Write the checkpoint of ``step`` under ``directory`` and return its path.
 
     ``trainer`` holds the rest of the run's state (scheduler, RNG states, data position, …) as
-    tensors and plain Python values.
+    tensors and plain Python values. In a multi-process run every process calls this; with
+    ``sharded`` (FSDP2) each writes its own shards, otherwise the first process writes alone.
     """
     from safetensors.torch import save_model
 
+    from slimopt.distributed import barrier, process_rank
+    from slimopt.distributed import checkpoint as sharded_checkpoint
+
+    first = process_rank() == 0
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"{PREFIX}{step:08d}"
-    staging = directory / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    save_model(model, str(staging / "model.safetensors"))
-    torch.save(optimizer.state_dict(), staging / "optimizer.pt")
-    torch.save(trainer, staging / "trainer.pt")
-    manifest = {"step": step, "files": {name: _describe(staging / name) for name in FILES}}
-    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    for path in staging.iterdir():
-        _fsync(path)
-    if final.exists():  # re-saving a step: move the old one aside first, then drop it
-        retired = directory / f".{final.name}.old-{os.getpid()}"
-        final.rename(retired)
-        staging.rename(final)
-        shutil.rmtree(retired)
-    else:
-        staging.rename(final)
-    _fsync(directory)
+    staging = directory / f".{final.name}.tmp"
+    if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO: the whole state onto the first process
+        optimizer.consolidate_state_dict(to=0)
+    if first:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    barrier()
+    if sharded:
+        sharded_checkpoint.write(staging / SHARDED, model, optimizer)
+    if first:
+        if not sharded:
+            save_model(model, str(staging / "model.safetensors"))
+            torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+        torch.save(trainer, staging / "trainer.pt")
+        files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
+        layout = SHARDED if sharded else "whole"
+        described = {name: _describe(staging / name) for name in files}
+        manifest = {"step": step, "layout": layout, "files": described}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        for path in staging.rglob("*"):
+            _fsync(path)
+        if final.exists():  # re-saving a step: move the old one aside first, then drop it
+            retired = directory / f".{final.name}.old"
+            shutil.rmtree(retired, ignore_errors=True)
+            final.rename(retired)
+            staging.rename(final)
+            shutil.rmtree(retired)
+        else:
+            staging.rename(final)
+        _fsync(directory)
+    barrier()
     return final
 
 
@@ -108,7 +136,8 @@ def verify_checkpoint(path: str | Path) -> None:
         expected = manifest["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as error:
         raise CheckpointError(f"{manifest_path} is corrupt: {error}") from error
-    for name in FILES:
+    required = SHARDED_FILES if manifest.get("layout") == SHARDED else FILES
+    for name in sorted({*required, *expected}):
         file = path / name
         if not file.exists():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
@@ -119,15 +148,45 @@ def verify_checkpoint(path: str | Path) -> None:
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Verify the checkpoint at ``path``, then restore ``model`` and ``optimizer`` from it and
     return the trainer state. Raises ``CheckpointError`` (and changes nothing) when a file is
-    missing, truncated or altered, or when the parameters do not match ``model``."""
+    missing, truncated or altered, or when the parameters do not match ``model``. In a
+    multi-process run every process calls this; the first one verifies the files."""
     from safetensors.torch import load_file
 
+    from slimopt.distributed import checkpoint as sharded_checkpoint
+    from slimopt.distributed import from_first, is_sharded, process_rank
+
     path = Path(path)
-    verify_checkpoint(path)
+    problem = None
+    if process_rank() == 0:
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as error:
+            problem = str(error)
+    problem = from_first(problem)
+    if problem is not None:
+        raise CheckpointError(problem)
+    layout = json.loads((path / MANIFEST).read_text()).get("layout", "whole")
+    trainer = torch.load(path / "trainer.pt", weights_only=True)
+    if layout == SHARDED:
+        if hasattr(optimizer, "consolidate_state_dict"):
+            raise CheckpointError(
+                f"checkpoint {path} was written by FSDP2 processes; ZeRO-1 resumes from its own "
+                "checkpoints: resume it with --distributed fsdp2, ddp, or one process"
+            )
+        try:
+            sharded_checkpoint.load(path / SHARDED, model, optimizer)
+        except ValueError as error:
+            raise CheckpointError(f"checkpoint {path}: {error}") from None
+        return trainer
+    if any(is_sharded(p) for p in model.parameters()):
+        raise CheckpointError(
+            f"checkpoint {path} holds whole tensors (written by one process, DDP or ZeRO-1); FSDP2 "
+            "resumes from the sharded checkpoints of FSDP2 runs: resume this run with --distributed "
+            "ddp or zero1, or in one process"
+        )
     weights = load_file(str(path / "model.safetensors"))
     _check_model(path, model, weights)
     optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
-    trainer = torch.load(path / "trainer.pt", weights_only=True)
     model.load_state_dict(weights, strict=False)
     optimizer.load_state_dict(optimizer_state)
     return trainer

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from slimopt.distributed import from_first, local_view
 from slimopt.layerwise import check_refresh_from, layerwise
 from slimopt.memory import LiveBytes, state_nbytes, state_tensors
-from slimopt.registry import build_optimizer
+from slimopt.registry import OPTIMIZERS, resolve_name
 from slimopt.train.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -37,6 +38,7 @@ from slimopt.train.checkpoint import (
 )
 from slimopt.train.corpus import load_corpus, split_documents
 from slimopt.train.models import build_llama, enable_checkpointing
+from slimopt.train.parallel import STRATEGIES, Parallel, start_run
 from slimopt.train.rundir import claim, default_out, run_directory
 from slimopt.train.tokenizer import (
     TextTokenizer,
@@ -58,7 +60,7 @@ class TrainConfig:
     vocab_size: int = 8192
     steps: int = 1000
     batch_size: int = 64  # sequences per optimizer step
-    micro_batch_size: int | None = None  # sequences per forward pass; None = batch_size
+    micro_batch_size: int | None = None  # sequences per forward pass (per process); None: all at once
     seq_len: int = 256
     lr: float = 1e-3
     warmup: float = 0.1  # a fraction of the steps if < 1, else a number of steps
@@ -75,6 +77,7 @@ class TrainConfig:
     bf16: bool = False
     checkpointing: bool = False
     layerwise: bool = False  # update each parameter inside backward (slimopt.layerwise)
+    distributed: str | None = None  # under torchrun: ddp (its default), zero1 or fsdp2; none: one process
     refresh_from: str = "step"  # layer-wise: a refresh sees the step's gradient or its first micro-batch's
     validation_fraction: float = 0.05
     max_documents: int | None = None
@@ -102,14 +105,31 @@ class TrainConfig:
         if self.device not in DEVICES:
             raise ValueError(f"unknown --device {self.device!r}; valid: {', '.join(DEVICES)}")
         check_refresh_from(self.refresh_from, self.layerwise, "add --layerwise")
+        if self.distributed == "none":
+            self.distributed = None
+        if self.distributed is not None and self.distributed not in STRATEGIES:
+            valid = ", ".join(("none", *STRATEGIES))
+            raise ValueError(f"unknown --distributed {self.distributed!r}; valid: {valid}")
+        if self.layerwise and self.distributed in ("ddp", "zero1"):
+            raise ValueError(
+                f"--layerwise with --distributed {self.distributed}: DDP averages gradients after "
+                "backward, so layer-wise updates would see unaveraged ones; use --distributed fsdp2"
+            )
         if self.resume and not Path(self.resume).is_dir():
             raise ValueError(f"resume directory {self.resume!r} does not exist")
         if self.out is None:
             self.out = str(default_out(f"{Path(self.model).name}-{self.optimizer}"))
 
-    @property
-    def accumulation(self) -> int:
-        return self.batch_size // (self.micro_batch_size or self.batch_size)
+    def micro_batches(self, processes: int) -> tuple[int, int]:
+        """Sequences per forward pass of each process, and micro-batches per step, when
+        ``processes`` share each step's batch. Raises ``ValueError`` when they do not divide it."""
+        micro = self.micro_batch_size or max(1, self.batch_size // processes)
+        if self.batch_size % (micro * processes):
+            raise ValueError(
+                f"batch size {self.batch_size} is not a multiple of the micro-batch size {micro} × "
+                f"{processes} processes"
+            )
+        return micro, self.batch_size // (micro * processes)
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -193,24 +213,27 @@ def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, rows: Tensor, config: TrainConfig, device: torch.device) -> float:
-    """Mean loss over the first ``eval_batches`` micro-batches of the validation rows."""
+def evaluate(model: nn.Module, rows: Tensor, config: TrainConfig, device: torch.device, size: int) -> float:
+    """Mean loss over the first ``eval_batches`` batches of ``size`` validation rows (every
+    process of a run evaluates the same ones)."""
     model.eval()
-    size = config.micro_batch_size or config.batch_size
     losses = []
-    for start in range(0, min(len(rows), config.eval_batches * size), size):
-        batch = rows[start : start + size].to(device)
+    for first in range(0, min(len(rows), config.eval_batches * size), size):
+        batch = rows[first : first + size].to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
             losses.append(model(input_ids=batch, labels=batch).loss.float().item())
     model.train()
     return sum(losses) / len(losses)
 
 
-def track_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> LiveBytes:
+def track_memory(model: nn.Module, optimizer: torch.optim.Optimizer, unseen: int = 0) -> LiveBytes:
     """A ``LiveBytes`` that already counts what lives between steps (weights, buffers, optimizer
-    state), so its ``peak`` over a training step is the step's exact peak of tensor memory."""
+    state, and ``unseen`` bytes held outside any tensor, DDP's buckets), so its ``peak`` over a
+    training step is the step's exact peak of tensor memory in this process."""
     tracker = LiveBytes()
-    tracker.adopt([*model.parameters(), *model.buffers(), *state_tensors(optimizer)])
+    tensors = [*model.parameters(), *model.buffers(), *state_tensors(optimizer)]
+    tracker.adopt([local_view(t) for t in tensors])
+    tracker.reserve(unseen)
     return tracker
 
 
@@ -236,46 +259,70 @@ def train(config: TrainConfig, *, progress: bool = True, label: str | None = Non
 
     With ``progress`` a bar (named ``label``, default the optimizer) shows the steps and short
     messages go to stderr: the run directory, the device, a resumed step, each validation, and
-    on SIGINT the command that continues the run. Raises ``ValueError`` (a ``CheckpointError``
-    for checkpoints) for a run that cannot start, before anything is written."""
-    say = _messenger(progress)
+    on SIGINT the command that continues the run. Under ``torchrun`` every process runs this
+    (``slimopt.train.parallel``); the first one shows progress and writes the run's files.
+    Raises ``ValueError`` (a ``CheckpointError`` for checkpoints) for a run that cannot start,
+    before anything is written."""
+    parallel = start_run(config.distributed, config.device)
+    try:
+        return _train(config, parallel, progress, label)
+    finally:
+        parallel.close()
+
+
+def _train(config: TrainConfig, parallel: Parallel, progress: bool, label: str | None) -> dict[str, Any]:
+    say = _messenger(progress and parallel.main)
+    micro, accumulation = config.micro_batches(parallel.world)
+    config.out = from_first(config.out)  # a default name holds the time: the first process's
     out = Path(config.out)
     resuming_here = config.resume is not None and run_directory(config.resume).resolve() == out.resolve()
-    if not resuming_here:
-        claim(out, overwrite=config.overwrite)
-    device = resolve_device(config.device)
+    problem = None
+    if parallel.main and not resuming_here:
+        try:
+            claim(out, overwrite=config.overwrite)
+        except ValueError as error:
+            problem = str(error)
+    problem = from_first(problem)
+    if problem is not None:
+        raise ValueError(problem)
+    device = parallel.device(config.device)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
-    tokenizer, train_rows, validation_rows = prepare_data(config)
+    tokenizer, train_rows, validation_rows = parallel.first_then_others(lambda: prepare_data(config))
     model = build_model(config, tokenizer.vocab_size).to(device)
-    optimizer = build_optimizer(model, config.optimizer, lr=config.lr, **config.optimizer_options)
+    wrapped = parallel.wrap(model)
+    options, note = _options_for(config, parallel)
+    optimizer = parallel.optimizer(model, config.optimizer, config.lr, options)
     warmup = int(config.warmup * config.steps) if config.warmup < 1 else int(config.warmup)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(config.steps, warmup, config.min_lr_ratio)
     )
     batches = Batches(train_rows, config.seed)
-    start = 0
+    start_step = 0
     metrics_path = out / "metrics.jsonl"
     if config.resume:
         checkpoint, state = _resume(config.resume, model, optimizer)
         schedule.load_state_dict(state["schedule"])
-        batches.position, start = state["position"], state["step"]
+        batches.position, start_step = state["position"], state["step"]
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
-        say(f"resuming from step {start} of {config.steps} ({checkpoint})")
+        say(f"resuming from step {start_step} of {config.steps} ({checkpoint})")
         # Steps logged after the checkpoint are redone: drop them from the log.
-        if metrics_path.exists():
-            kept = [
-                line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= start
-            ]
+        if metrics_path.exists() and parallel.main:
+            lines = metrics_path.read_text().splitlines()
+            kept = [line for line in lines if json.loads(line)["step"] <= start_step]
             metrics_path.write_text("".join(line + "\n" for line in kept))
-    out.mkdir(parents=True, exist_ok=True)
-    saved_config = {k: v for k, v in asdict(config).items() if k != "overwrite"}
-    (out / "config.json").write_text(json.dumps(saved_config, indent=1))
+    if parallel.main:
+        out.mkdir(parents=True, exist_ok=True)
+        saved_config = {k: v for k, v in asdict(config).items() if k != "overwrite"}
+        (out / "config.json").write_text(json.dumps(saved_config, indent=1))
     parameters = sum(p.numel() for p in model.parameters())
+    where = str(device)
+    if parallel.strategy is not None:
+        where = f"{parallel.world} processes ({parallel.strategy}, {device.type})"
     say(
         f"training {config.model} ({_count(parameters)} parameters) with {config.optimizer}"
-        f"{_rank_note(optimizer, config)} on {device}; run directory {out}"
+        f"{_rank_note(optimizer, config)}{note} on {where}; run directory {out}"
     )
 
     def save(step: int) -> Path:
@@ -286,18 +333,20 @@ def train(config: TrainConfig, *, progress: bool = True, label: str | None = Non
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
         }
-        return save_checkpoint(out / "checkpoints", step, model, optimizer, trainer_state)
+        sharded = parallel.sharded_checkpoints
+        return save_checkpoint(out / "checkpoints", step, model, optimizer, trainer_state, sharded=sharded)
 
     def log(record: dict[str, Any]) -> None:
-        with metrics_path.open("a") as stream:
-            stream.write(json.dumps(record) + "\n")
+        if parallel.main:
+            with metrics_path.open("a") as stream:
+                stream.write(json.dumps(record) + "\n")
 
     # Layer-wise: the handle updates, clips (per tensor) and steps the schedule inside backward.
     handle = None
     if config.layerwise:
         handle = layerwise(
             optimizer,
-            config.accumulation,
+            accumulation,
             max_grad_norm=config.grad_clip or None,
             scheduler=schedule,
             refresh_from=config.refresh_from,
@@ -305,24 +354,26 @@ def train(config: TrainConfig, *, progress: bool = True, label: str | None = Non
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # a comparison trains several models in one process
-    bar = _progress(progress, config.steps, start, label or config.optimizer)
+    bar = _progress(progress and parallel.main, config.steps, start_step, label or config.optimizer)
     tokens_per_step = config.batch_size * config.seq_len
     summary: dict[str, Any] = {"optimizer": config.optimizer, "interrupted": False, "out": str(out)}
-    memory = 0
+    memory = peak = 0
     began_run = time.perf_counter()
     with _Interrupt() as interrupt:
-        for step in range(start + 1, config.steps + 1):
+        for step in range(start_step + 1, config.steps + 1):
             began = time.perf_counter()
             loss = 0.0
             lr = schedule.get_last_lr()[0]
             # On the CPU the first steps of a run are counted exactly: the first creates the
             # optimizer state and bases, the second is a steady step (what slimopt memory plans).
-            tracker = track_memory(model, optimizer) if device.type == "cpu" and step <= start + 2 else None
+            tracker = None
+            if device.type == "cpu" and step <= start_step + 2:
+                tracker = track_memory(model, optimizer, parallel.bucket_bytes(model))
             with tracker or contextlib.nullcontext():
-                for _ in range(config.accumulation):
-                    batch = batches.take(config.micro_batch_size or config.batch_size).to(device)
+                for _ in range(accumulation):
+                    batch = parallel.take(batches.take(micro * parallel.world)).to(device)
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-                        micro_loss = model(input_ids=batch, labels=batch).loss / config.accumulation
+                        micro_loss = wrapped(input_ids=batch, labels=batch).loss / accumulation
                     micro_loss.backward()
                     loss += micro_loss.item()
                     del batch, micro_loss
@@ -332,6 +383,9 @@ def train(config: TrainConfig, *, progress: bool = True, label: str | None = Non
                     optimizer.step()
                     schedule.step()
                 optimizer.zero_grad(set_to_none=True)
+            # One all-reduce: the mean loss over the processes, and whether any was interrupted.
+            loss, interrupted = parallel.sum([loss, float(interrupt.requested)])
+            loss /= parallel.world
             record = {
                 "step": step,
                 "loss": loss,
@@ -342,8 +396,9 @@ def train(config: TrainConfig, *, progress: bool = True, label: str | None = Non
                 record["memory_bytes"] = memory = tracker.peak
             elif device.type == "cuda":
                 record["memory_bytes"] = memory = torch.cuda.max_memory_allocated(device)
+            peak = max(peak, memory)
             if step % config.eval_every == 0 or step == config.steps:
-                record["val_loss"] = evaluate(model, validation_rows, config, device)
+                record["val_loss"] = evaluate(wrapped, validation_rows, config, device, micro)
                 record["val_ppl"] = math.exp(record["val_loss"])
                 val_loss, val_ppl = record["val_loss"], record["val_ppl"]
                 say(f"step {step}: validation loss {val_loss:.4f}, perplexity {val_ppl:.2f}")
@@ -355,12 +410,13 @@ def train(config: TrainConfig, *, progress: bool = True, label: str | None = Non
                 tok_s=f"{record['tokens_per_s']:.0f}",
                 mem=f"{memory / 2**20:.0f}MiB",
             )
-            if interrupt.requested:
+            if interrupted:
                 summary["interrupted"] = True
                 checkpoint = save(step)
+                again = "slimopt train" if parallel.strategy is None else "torchrun ... -m slimopt.cli train"
                 say(
                     f"interrupted at step {step} of {config.steps}; saved {checkpoint}. "
-                    f"Continue with: slimopt train --resume {shlex.quote(str(out))}"
+                    f"Continue with: {again} --resume {shlex.quote(str(out))}"
                 )
                 break
             if config.save_every and step % config.save_every == 0 and step != config.steps:
@@ -370,24 +426,46 @@ def train(config: TrainConfig, *, progress: bool = True, label: str | None = Non
     if handle is not None:
         handle.remove()
     bar.close()
+    state_bytes = parallel.gather(state_nbytes(optimizer))
+    peaks = parallel.gather(peak)
+    if not parallel.main:
+        return from_first(None)
     history = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     evaluations = [r for r in history if "val_loss" in r]
     summary |= {
-        "steps": history[-1]["step"] if history else start,
+        "steps": history[-1]["step"] if history else start_step,
         "total_steps": config.steps,
         "seconds": time.perf_counter() - began_run,
         "final_train_loss": history[-1]["loss"] if history else None,
         "val_loss": evaluations[-1]["val_loss"] if evaluations else None,
         "val_ppl": evaluations[-1]["val_ppl"] if evaluations else None,
-        "state_bytes": state_nbytes(optimizer),
-        "peak_memory_bytes": max((r["memory_bytes"] for r in history if "memory_bytes" in r), default=0),
+        "state_bytes": sum(state_bytes),
+        "peak_memory_bytes": max(peaks),
         "tokens_per_s": sum(r["tokens_per_s"] for r in history) / max(1, len(history)),
         "parameters": parameters,
         "tokenizer": tokenizer.description,
         "device": str(device),
     }
+    if parallel.strategy is not None:
+        summary |= {
+            "distributed": parallel.strategy,
+            "processes": parallel.world,
+            "state_bytes_per_process": state_bytes,
+            "peak_memory_bytes_per_process": peaks,
+        }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
+    return from_first(summary)
+
+
+def _options_for(config: TrainConfig, parallel: Parallel) -> tuple[dict[str, Any], str]:
+    """The optimizer options of the run, and a note on what the strategy changed: under FSDP2 a
+    projected optimizer keeps its basis on the unsplit side unless told otherwise."""
+    options = dict(config.optimizer_options)
+    projected = OPTIMIZERS[resolve_name(config.optimizer)].projected
+    if parallel.strategy == "fsdp2" and projected and "proj_type" not in options:
+        options["proj_type"] = "right"
+        return options, " (proj_type right: FSDP2 splits the rows)"
+    return options, ""
 
 
 def describe(summary: dict[str, Any]) -> str:
