@@ -87,6 +87,7 @@ def _worker(rank: int, port: int, strategy: str, out: str) -> None:
             results[name] = _train_distributed(strategy, name, rank)
         if strategy == "fsdp2":
             results["refusals"] = _fsdp2_refusals()
+            results["split_after_construction"] = _split_after_construction("right")
             for name in ("adamw", "galore_adamw"):
                 results[f"{name}.layerwise"] = _fsdp2_layerwise_against_stepping(name, rank)
         if strategy == "ddp":
@@ -190,6 +191,7 @@ def _fsdp2_refusals() -> list[str]:
         ),
         lambda: slimopt.build_optimizer(model, "galore_adafactor", lr=1e-3, rank=8, proj_type="right"),
     ]
+    attempts.append(lambda: _split_after_construction(proj_type="std"))
     messages = []
     for attempt in attempts:
         try:
@@ -198,6 +200,26 @@ def _fsdp2_refusals() -> list[str]:
         except ValueError as error:
             messages.append(str(error))
     return messages
+
+
+def _split_after_construction(proj_type: str) -> list[torch.Tensor]:
+    """An optimizer built on a plain model, whose parameters are then replaced by FSDP2's
+    (accelerate's prepare() does this), takes STEPS steps; the parameters, whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    optimizer = slimopt.build_optimizer(model, "galore_adamw", lr=3e-3, **{**OPTIONS, "proj_type": proj_type})
+    name_of = {id(param): name for name, param in model.named_parameters()}
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sharded = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [sharded[name_of[id(param)]] for param in group["params"]]
+    _steps(model, optimizer, range(STEPS), WORLD, dist.get_rank())
+    return _whole(model)
 
 
 def _zero_resume_is_exact(model, wrapped, optimizer, name: str, rank: int) -> bool:
@@ -330,7 +352,13 @@ def test_distributed_training_equals_one_process(strategy, references, tmp_path)
             distance, freed = ranks[0][f"{name}.layerwise"]
             assert distance <= bound and freed == 1.0, (name, distance)
         # one line each, at construction, saying what to change
-        left, svd, adafactor = ranks[0]["refusals"]
+        left, svd, adafactor, split_later = ranks[0]["refusals"]
+        # Parameters split after the optimizer was built: checked at their first step, and with
+        # the right settings the same run as an optimizer built on the split model.
+        assert "proj_type='std' puts the basis of [(64, 172)] on the rows" in split_later
+        built_after = [ranks[0]["galore_adamw"][key] for key, _ in _model().named_parameters()]
+        for ours, theirs in zip(ranks[0]["split_after_construction"], built_after, strict=True):
+            assert torch.equal(ours, theirs)
         assert "proj_type='std' puts the basis of [(64, 172), (64, 172)] on the rows" in left
         assert "use proj_type='right' (basis r×n, replicated) under FSDP2" in left
         assert "proj_method='svd' needs whole gradients" in svd and "use proj_method='subspace'" in svd

@@ -276,3 +276,39 @@ def test_qlora_with_4bit_base_weights_trains_with_ternary_states(shakespeare_tok
     )
     optimizer = slimopt.build_optimizer(model, "adamw_ternary", lr=1e-2)
     _train_adapters(model, optimizer, shakespeare_tokens)
+
+
+@pytest.mark.slow  # two torchrun launches: about 30 s
+def test_trainer_under_torchrun_ddp(tmp_path) -> None:
+    """SlimoptTrainer under torchrun (accelerate's DDP): it trains, the two processes end with
+    the very same parameters; a layer-wise name is refused, saying to use FSDP2."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).with_name("trainer_under_torchrun.py")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(script),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("galore_adamw8bit", "galore_adamw8bit_layerwise"):
+        out = tmp_path / name
+        out.mkdir()
+        finished = subprocess.run(
+            [*command, str(out), name], capture_output=True, text=True, timeout=300, env=env
+        )
+        assert finished.returncode == 0, finished.stderr[-3000:]
+        first, second = (json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1))
+        if name.endswith("_layerwise"):
+            assert "layer-wise mode in a 2-process run" in first["error"]
+            assert "shard the model with fully_shard (FSDP2)" in first["error"]
+            continue
+        assert first["optimizer"] == "GaLoreAdamW8bit"
+        assert first["parameters"] == second["parameters"]
+        assert len(first["losses"]) == 8 and first["losses"][-1] < first["losses"][0] - 1.0

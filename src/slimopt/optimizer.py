@@ -484,6 +484,12 @@ class GaLoreOptimizer(Optimizer):
         return state["moment_step"]
 
     def _init_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        if split_by_rows(param):
+            # Checked at construction too; here for parameters split afterwards (accelerate's
+            # FSDP2 puts the sharded parameters into an optimizer built before prepare()).
+            errors = self._sharding_errors({**group, "params": [param]})
+            if errors:
+                raise ValueError("; ".join(errors))
         ordinal, projected_ordinal, projected_count = self._param_ordinals()[param]
         state["step"] = 0
         state["nonfinite_skips"] = 0

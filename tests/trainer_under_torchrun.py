@@ -1,0 +1,53 @@
+"""Run by ``test_integrations`` under ``torchrun``: SlimoptTrainer (DDP through accelerate) on a
+tiny LLaMA; each process writes its losses and a digest of its parameters to ``<out>/rank<N>.json``.
+
+    torchrun --standalone --nproc_per_node 2 tests/trainer_under_torchrun.py OUT OPTIMIZER
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.conftest import tiny_llama
+from tests.test_integrations import ShakespeareRows, _args
+
+
+def main(out: str, name: str) -> None:
+    from slimopt.integrations.transformers import SlimoptTrainer
+    from slimopt.train.corpus import load_corpus
+
+    text = "".join(document.text for document in load_corpus("shakespeare"))[:200_000]
+    tokens = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+    rank = int(os.environ["RANK"])
+    record: dict = {}
+    try:
+        trainer = SlimoptTrainer(
+            model=tiny_llama(),
+            args=_args(Path(out) / "trainer", per_device_train_batch_size=2),
+            train_dataset=ShakespeareRows(tokens),
+            optimizer_name=name,
+        )
+        trainer.train()
+        digest = hashlib.sha256()
+        for param in trainer.model.parameters():
+            digest.update(param.detach().numpy().tobytes())
+        record = {
+            "losses": [r["loss"] for r in trainer.state.log_history if "loss" in r],
+            "parameters": digest.hexdigest(),
+            "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
+        }
+    except RuntimeError as error:
+        record = {"error": str(error)}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
