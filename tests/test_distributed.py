@@ -172,6 +172,13 @@ def _train_distributed(strategy: str, name: str, rank: int) -> dict[str, torch.T
         optimizer.zero_grad()
     result = {"gathers_in_step": torch.tensor(gathers)} | _parameters_and_bases(model, optimizer)
     if strategy == "zero1" and name == "galore_adamw8bit":
+        # The planner assigns parameters to processes as ZeRO does (slimopt memory --distributed zero1).
+        from slimopt.process_memory import _zero_partition, parameter_bytes
+
+        planned = [p.name for p in _zero_partition(parameter_bytes(model, optimizer), WORLD)[rank]]
+        names = {param: key for key, param in model.named_parameters()}
+        zero = [names[p] for group in optimizer._partition_parameters()[rank] for p in group["params"]]
+        result["zero_partition_planned"] = torch.tensor(sorted(planned) == sorted(zero))
         result["resumed_equal"] = torch.tensor(_zero_resume_is_exact(model, wrapped, optimizer, name, rank))
     return result
 
@@ -341,6 +348,7 @@ def test_distributed_training_equals_one_process(strategy, references, tmp_path)
             assert int(first["gathers_in_step"]) == 0
         if "resumed_equal" in first:  # ZeRO: consolidate_state_dict, load, continue
             assert bool(first["resumed_equal"]) and bool(second["resumed_equal"])
+            assert bool(first["zero_partition_planned"]) and bool(second["zero_partition_planned"])
     if strategy == "ddp":
         refusal = ranks[0]["layerwise_refusal"]
         assert "layer-wise mode in a 2-process run" in refusal and "fully_shard (FSDP2)" in refusal

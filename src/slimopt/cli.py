@@ -196,6 +196,15 @@ def _memory_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=32000, help="vocabulary (default 32000)")
     parser.add_argument("--gpu-memory", type=float, help="the card's memory in GiB, for a verdict")
     parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="processes of a multi-GPU run (default 1; needs --distributed)",
+    )
+    parser.add_argument(
+        "--distributed", choices=STRATEGIES, help="how the processes share the work: ddp, zero1 or fsdp2"
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print the plan as JSON (bytes, peak in peak_bytes)"
     )
     parser.add_argument(
@@ -220,6 +229,8 @@ def run_memory(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "vocab_size": args.vocab_size,
         "gpu_memory_gib": args.gpu_memory,
+        "processes": args.processes,
+        "distributed": args.distributed,
         **options,
     }
     if args.measure is not None:

@@ -96,13 +96,6 @@ class LiveBytes(TorchDispatchMode):
                 totals[tag] = totals.get(tag, 0) + size
         return totals
 
-    def reserve(self, nbytes: int) -> None:
-        """Count ``nbytes`` that live outside any tensor the tracker can see (DDP's gradient
-        buckets, allocated inside its C++ reducer) for the whole block."""
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        self.window_peak = max(self.window_peak, self.live)
-
     def adopt(self, tensors: Iterable[Tensor]) -> None:
         """Count tensors created outside the block (weights, a model's buffers)."""
         for tensor in tensors:

@@ -30,6 +30,8 @@ from torch.overrides import TorchFunctionMode
 from slimopt.layerwise import check_refresh_from, layerwise
 from slimopt.memory import LiveBytes, storage_nbytes
 from slimopt.optimizer import BASIS_KEYS
+from slimopt.process_memory import STRATEGIES as PROCESS_STRATEGIES
+from slimopt.process_memory import parameter_bytes, per_process
 from slimopt.registry import OPTIMIZERS, build_optimizer, resolve_name, select_target_modules
 
 TERMS = (
@@ -67,13 +69,16 @@ class MemoryPlan:
     cuda_max_memory_allocated: int | None = None
     gpu_memory_bytes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    per_process: dict[str, int] | None = None  # process 0's terms and peak under ``distributed``
 
     @property
     def fits(self) -> bool | None:
-        """Whether the peak plus CUDA's own overhead fits the card (None: no card given)."""
+        """Whether the peak (of the busiest process, in a multi-process plan) plus CUDA's own
+        overhead fits the card (None: no card given)."""
         if self.gpu_memory_bytes is None:
             return None
-        return self.peak_bytes + CUDA_OVERHEAD_BYTES <= self.gpu_memory_bytes
+        peak = self.peak_bytes if self.per_process is None else self.per_process["peak"]
+        return peak + CUDA_OVERHEAD_BYTES <= self.gpu_memory_bytes
 
     def to_dict(self) -> dict[str, Any]:
         """Everything, as plain JSON-able values, with ``fits`` added."""
@@ -111,11 +116,25 @@ class MemoryPlan:
             )
         if self.cuda_max_memory_allocated is not None:
             lines.append(f"torch.cuda.max_memory_allocated: {_size(self.cuda_max_memory_allocated)}")
+        peak = self.peak_bytes
+        if self.per_process is not None:
+            terms = self.per_process
+            peak = terms["peak"]
+            lines += [
+                "",
+                f"per process, {s['distributed']} over {s['processes']} processes (process 0, the busiest): "
+                f"peak {_size(peak)}",
+            ]
+            lines += [
+                f"  {term.replace('_', ' '):<22}{_size(value):>12}"
+                for term, value in terms.items()
+                if term != "peak"
+            ]
         if self.gpu_memory_bytes is not None:
             verdict = "fits" if self.fits else "does not fit"
             lines.append(
                 f"verdict: {verdict} in {self.gpu_memory_bytes / 2**30:g} GiB (needs "
-                f"{_size(self.peak_bytes + CUDA_OVERHEAD_BYTES)} with 1 GiB for CUDA's context and allocator)"
+                f"{_size(peak + CUDA_OVERHEAD_BYTES)} with 1 GiB for CUDA's context and allocator)"
             )
         return "\n".join(lines)
 
@@ -138,6 +157,8 @@ def plan_memory(
     dtype: str = "bf16",
     vocab_size: int = 32000,
     gpu_memory_gib: float | None = None,
+    processes: int = 1,
+    distributed: str | None = None,
     device: str = "meta",
     progress: bool = False,
     **optimizer_options: Any,
@@ -147,7 +168,9 @@ def plan_memory(
     ``model`` is a LLaMA preset (``slimopt.train.models.LLAMA_PRESETS``) or a Hugging Face config
     file or directory; ``dtype`` ("bf16" or "fp32") is the weights' dtype; ``batch_size`` sequences
     of ``seq_len`` tokens per micro-batch, ``accumulation_steps`` micro-batches per step;
-    ``refresh_from`` is ``slimopt.layerwise``'s option of that name.
+    ``refresh_from`` is ``slimopt.layerwise``'s option of that name. With ``distributed``
+    ("ddp", "zero1" or "fsdp2") the plan also holds, in ``per_process``, the step of the busiest
+    of ``processes`` processes (``slimopt.process_memory``), and ``fits`` judges that one.
     ``optimizer_options`` go to ``build_optimizer`` (``states``, ``update_proj_gap``, …). On a
     real ``device`` the steps run for real and the plan is a measurement (see ``measure_memory``).
     ``progress`` shows a bar of the micro-batches on stderr (a 7B plan takes 10–20 s on 2 cores).
@@ -189,6 +212,15 @@ def _setting(arguments: dict[str, Any]) -> dict[str, Any]:
     rank = setting["rank"]
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0):
         raise ValueError(f"rank must be a positive integer, got {rank!r}")
+    processes, strategy = setting["processes"], setting["distributed"]
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes must be a positive integer, got {processes!r}")
+    if strategy is not None and strategy not in PROCESS_STRATEGIES:
+        raise ValueError(f"unknown distributed {strategy!r}; valid: {', '.join(PROCESS_STRATEGIES)}")
+    if processes > 1 and strategy is None:
+        raise ValueError(
+            f"{processes} processes: say how they share the work (distributed: ddp, zero1 or fsdp2)"
+        )
     return setting
 
 
@@ -303,6 +335,11 @@ def _run(
     if handle is not None:
         phases["backward"] = "backward with layer-wise updates"
     gpu = setting["gpu_memory_gib"]
+    at_peak = {term: snapshot["terms"][term] for term in TERMS}
+    processes = None
+    if setting["distributed"] is not None:
+        parameters = parameter_bytes(model, optimizer)
+        processes = per_process(at_peak, parameters, setting["distributed"], setting["processes"])
     ranks = [group["rank"] for group in optimizer.param_groups if "rank" in group]
     if setting["rank"] is None and ranks:
         setting = {**setting, "rank": ranks[0], "rank_defaulted": True}
@@ -311,7 +348,7 @@ def _run(
         parameters=sum(p.numel() for p in params),
         peak_bytes=tracker.peak,
         peak_at=f"step {snapshot['step']}, {phases[snapshot['phase']]}",
-        at_peak={term: snapshot["terms"][term] for term in TERMS},
+        at_peak=at_peak,
         persistent={
             term: between_steps[term] for term in ("weights", "optimizer_states", "projection_bases")
         },
@@ -322,6 +359,7 @@ def _run(
         device=str(device),
         cuda_max_memory_allocated=cuda_peak,
         gpu_memory_bytes=None if gpu is None else int(gpu * 2**30),
+        per_process=processes,
     )
 
 

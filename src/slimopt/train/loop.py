@@ -226,14 +226,14 @@ def evaluate(model: nn.Module, rows: Tensor, config: TrainConfig, device: torch.
     return sum(losses) / len(losses)
 
 
-def track_memory(model: nn.Module, optimizer: torch.optim.Optimizer, unseen: int = 0) -> LiveBytes:
+def track_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> LiveBytes:
     """A ``LiveBytes`` that already counts what lives between steps (weights, buffers, optimizer
-    state, and ``unseen`` bytes held outside any tensor, DDP's buckets), so its ``peak`` over a
-    training step is the step's exact peak of tensor memory in this process."""
+    state; this process's shards under FSDP2), so its ``peak`` over a training step is the step's
+    exact peak of tensor memory. DDP's gradient buckets, which outlive the step inside its
+    reducer, are counted from the backward pass that writes the gradients into them on."""
     tracker = LiveBytes()
     tensors = [*model.parameters(), *model.buffers(), *state_tensors(optimizer)]
     tracker.adopt([local_view(t) for t in tensors])
-    tracker.reserve(unseen)
     return tracker
 
 
@@ -368,7 +368,7 @@ def _train(config: TrainConfig, parallel: Parallel, progress: bool, label: str |
             # optimizer state and bases, the second is a steady step (what slimopt memory plans).
             tracker = None
             if device.type == "cpu" and step <= start_step + 2:
-                tracker = track_memory(model, optimizer, parallel.bucket_bytes(model))
+                tracker = track_memory(model, optimizer)
             with tracker or contextlib.nullcontext():
                 for _ in range(accumulation):
                     batch = parallel.take(batches.take(micro * parallel.world)).to(device)

@@ -101,7 +101,8 @@ class Parallel:
                 fully_shard(layer)
             return fully_shard(model)
         device_ids = [self.local_rank] if next(model.parameters()).is_cuda else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        # Gradients as views of DDP's buckets: one copy of them, not two.
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
 
     def optimizer(self, model: nn.Module, name: str, lr: float, options: dict[str, Any]) -> Any:
         """The optimizer of ``model`` (unwrapped) for this strategy."""
@@ -111,13 +112,6 @@ class Parallel:
         if self.strategy == "zero1":
             return zero_redundancy_optimizer(model, name, lr=lr, **options)
         return build_optimizer(model, name, lr=lr, **options)
-
-    def bucket_bytes(self, model: nn.Module) -> int:
-        """Bytes DDP keeps outside any tensor the run can see: its gradient buckets, one copy of
-        every trainable parameter's gradient, allocated when the model is wrapped."""
-        if self.strategy not in ("ddp", "zero1"):
-            return 0
-        return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
     def close(self) -> None:
         if self.strategy is not None and dist.is_initialized():
