@@ -92,6 +92,7 @@ def _worker(rank: int, port: int, strategy: str, out: str) -> None:
                 results[f"{name}.layerwise"] = _fsdp2_layerwise_against_stepping(name, rank)
         if strategy == "ddp":
             results["layerwise_refusal"] = _ddp_layerwise_refusal()
+            results["spread"] = _train_distributed("ddp_spread", "galore_adamw", rank)
         torch.save(results, Path(out) / f"rank{rank}.pt")
     except Exception:
         (Path(out) / f"rank{rank}.error").write_text(traceback.format_exc())
@@ -150,9 +151,11 @@ def _ddp_layerwise_refusal() -> str:
 
 def _train_distributed(strategy: str, name: str, rank: int) -> dict[str, torch.Tensor]:
     model = _model()
-    if strategy == "ddp":
+    if strategy in ("ddp", "ddp_spread"):
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = _optimizer(model, name)
+        if strategy == "ddp_spread":
+            slimopt.distributed.spread_refreshes(optimizer)
     elif strategy == "fsdp2":
         wrapped = model = _fully_sharded_model()
         optimizer = _optimizer(model, name)
@@ -162,15 +165,26 @@ def _train_distributed(strategy: str, name: str, rank: int) -> dict[str, torch.T
         optimizer = slimopt.distributed.zero_redundancy_optimizer(model, name, lr=3e-3, **options)
     else:
         raise ValueError(strategy)
-    gathers = 0
-    for step in range(STEPS):
-        batch = _batch(step)[rank::WORLD]  # each process half of the global batch
-        wrapped(input_ids=batch, labels=batch).loss.backward()
-        with CountGathers() as counted:
-            optimizer.step()
-        gathers += counted[0]
-        optimizer.zero_grad()
-    result = {"gathers_in_step": torch.tensor(gathers)} | _parameters_and_bases(model, optimizer)
+    gathers, computed = 0, [0]
+    compute = slimopt.optimizer.compute_basis
+
+    def counting(*args, **kwargs):
+        computed[0] += 1
+        return compute(*args, **kwargs)
+
+    slimopt.optimizer.compute_basis = counting
+    try:
+        for step in range(STEPS):
+            batch = _batch(step)[rank::WORLD]  # each process half of the global batch
+            wrapped(input_ids=batch, labels=batch).loss.backward()
+            with CountGathers() as counted:
+                optimizer.step()
+            gathers += counted[0]
+            optimizer.zero_grad()
+    finally:
+        slimopt.optimizer.compute_basis = compute
+    result = {"gathers_in_step": torch.tensor(gathers), "bases_computed": torch.tensor(computed[0])}
+    result |= _parameters_and_bases(model, optimizer)
     if strategy == "zero1" and name == "galore_adamw8bit":
         # The planner assigns parameters to processes as ZeRO does (slimopt memory --distributed zero1).
         from slimopt.process_memory import _zero_partition, parameter_bytes
@@ -350,6 +364,12 @@ def test_distributed_training_equals_one_process(strategy, references, tmp_path)
             assert bool(first["resumed_equal"]) and bool(second["resumed_equal"])
             assert bool(first["zero_partition_planned"]) and bool(second["zero_partition_planned"])
     if strategy == "ddp":
+        # spread_refreshes: each process computes half of the bases, and the run is the same.
+        plain, spread = ranks[0]["galore_adamw"], [ranks[0]["spread"], ranks[1]["spread"]]
+        assert all(torch.equal(spread[0][key], plain[key]) for key in plain if key != "bases_computed")
+        assert all(torch.equal(spread[1][key], plain[key]) for key in plain if key != "bases_computed")
+        counts = [int(run["bases_computed"]) for run in spread]
+        assert sum(counts) == int(plain["bases_computed"]) and abs(counts[0] - counts[1]) <= 2
         refusal = ranks[0]["layerwise_refusal"]
         assert "layer-wise mode in a 2-process run" in refusal and "fully_shard (FSDP2)" in refusal
     if strategy == "fsdp2":

@@ -24,7 +24,14 @@ from slimopt import loading
 from slimopt.codecs import STATE_FORMATS, moment_codec, state_key
 from slimopt.codecs.plain import round_to_bf16_stochastically
 from slimopt.codecs.rows import RowSlicedStorage, matrix_shape, row_sliced_storage, sliced, slices_to_update
-from slimopt.distributed import RowSharding, local_view, placement_error, row_sharding, split_by_rows
+from slimopt.distributed import (
+    RowSharding,
+    compute_on_owner,
+    local_view,
+    placement_error,
+    row_sharding,
+    split_by_rows,
+)
 from slimopt.projection import (
     PROJ_METHODS,
     PROJ_TYPES,
@@ -84,6 +91,7 @@ class GaLoreOptimizer(Optimizer):
         self._ordinals: dict[Tensor, tuple[int, int, int]] | None = None
         self._shardings: dict[Tensor, RowSharding | None] = {}  # DTensors split by rows
         self._layerwise: Any = None  # the active slimopt.layerwise handle
+        self._refresh_group: Any = None  # spread_refreshes: the processes that share refresh work
         storage = {**STORAGE_DEFAULTS, "states": self.default_states}
         super().__init__(params, {**defaults, **PROJECTION_DEFAULTS, **storage, **options})
 
@@ -539,16 +547,18 @@ class GaLoreOptimizer(Optimizer):
             # Seeded by parameter and step, so a resumed run draws the same random directions.
             generator = torch.Generator()
             generator.manual_seed(_step_seed(state))
+        sides = projection_sides(matrix_shape(param.shape), group["proj_type"])
+
+        def compute() -> Basis:
+            sharding = self._sharding(param)
+            return compute_basis(grad, group["rank"], sides, group["proj_method"], old, generator, sharding)
+
         try:
-            new = compute_basis(
-                grad,
-                group["rank"],
-                projection_sides(matrix_shape(param.shape), group["proj_type"]),
-                group["proj_method"],
-                old if has_old else None,
-                generator,
-                self._sharding(param),
-            )
+            if self._refresh_group is not None and self._sharding(param) is None:
+                owner = self._param_ordinals()[param][1]
+                new = compute_on_owner(compute, owner, sides, grad, group["rank"], self._refresh_group)
+            else:
+                new = compute()
         except RuntimeError as error:
             self._warn(param, state, f"projection refresh failed ({error}); keeping the old basis")
             return

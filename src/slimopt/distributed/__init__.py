@@ -9,6 +9,10 @@ refresh all-reduces n×k sketches instead of gathering the m×n gradient
 (``slimopt.projection.compute_basis``). Decisions every process must take alike (skip a step,
 keep a basis) are agreed on with one all-reduce.
 
+Under DDP every process holds the whole averaged gradient and would find every basis itself;
+``spread_refreshes`` makes one process (by turns) compute each basis and broadcast it (r×n or
+m×r, never the gradient), so the refresh work is divided and the run stays bit-identical.
+
 Under ZeRO-1 each process's optimizer holds a part of the parameters; what seeds a parameter's
 random draws and staggers its refreshes is its place in the whole model, stamped on it by
 ``zero_redundancy_optimizer``, so the run equals a one-process one.
@@ -16,6 +20,7 @@ random draws and staggers its refreshes is its place in the whole model, stamped
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +126,64 @@ def row_sharding(param: Tensor) -> RowSharding | None:
             f"{min(chunk, rows - offset)} of torch.chunk's split; slimopt needs that layout"
         )
     return RowSharding(mesh.get_group(), rows, offset)
+
+
+def spread_refreshes(optimizer: Any, group: Any = None) -> None:
+    """Under DDP (every process holds the same averaged gradients), divide the projection
+    refreshes of a slimopt ``optimizer`` among the processes of ``group`` (default: all): the
+    i-th projected matrix's basis is computed by process i mod N and broadcast to the others.
+    The bases, and so the run, are bit-identical to every process computing them.
+
+    Raises ``TypeError`` for an optimizer that is not slimopt's, ``RuntimeError`` outside a
+    process group, and ``ValueError`` for parameters FSDP2 splits (their refreshes are already
+    shared: each process sketches its own rows)."""
+    from slimopt.optimizer import GaLoreOptimizer
+
+    if not isinstance(optimizer, GaLoreOptimizer):
+        raise TypeError(f"spread_refreshes needs a slimopt optimizer, got {type(optimizer).__name__}")
+    if not initialized():
+        raise RuntimeError("spread_refreshes needs a torch.distributed process group (torchrun)")
+    split = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if split_by_rows(p)]
+    if split:
+        raise ValueError(
+            f"parameters {split[:3]} are split by FSDP2, whose refreshes each process already shares "
+            "(sketches of its own rows); spread_refreshes is for DDP"
+        )
+    optimizer._refresh_group = group if group is not None else torch.distributed.group.WORLD
+
+
+def compute_on_owner(
+    compute: Callable[[], Any], ordinal: int, sides: tuple[bool, bool], grad: Tensor, rank: int, group: Any
+) -> Any:
+    """The basis ``compute()`` returns, computed only by process ``ordinal`` mod N of ``group``
+    and broadcast to the others, which allocate its ``sides`` for the m×n ``grad`` at ``rank``.
+    Raises ``RuntimeError`` on every process when the owner's computation failed."""
+    from slimopt.projection import Basis
+
+    place = torch.distributed.get_rank(group)
+    owner = ordinal % torch.distributed.get_world_size(group)
+    source = torch.distributed.get_global_rank(group, owner)
+    basis, failure = None, ""
+    if place == owner:
+        try:
+            basis = compute()
+        except RuntimeError as error:
+            failure = str(error)
+    status = torch.tensor([0 if failure else 1], dtype=torch.int64)
+    torch.distributed.broadcast(status, src=source, group=group)
+    if not int(status):
+        raise RuntimeError(failure or f"it failed on process {source}, which computes this basis")
+    rows, cols = grad.shape
+    k = min(rank, rows, cols)
+    factors = []
+    for uses, factor_shape, index in ((sides[0], (rows, k), 0), (sides[1], (k, cols), 1)):
+        if not uses:
+            factors.append(None)
+            continue
+        tensor = basis[index].contiguous() if basis is not None else grad.new_empty(factor_shape)
+        torch.distributed.broadcast(tensor, src=source, group=group)
+        factors.append(tensor)
+    return Basis(*factors)
 
 
 def zero_redundancy_optimizer(model: nn.Module, name: str, *, lr: float | None, **options: Any) -> Any:

@@ -3,7 +3,8 @@ part of the data, and the model and optimizer of each strategy.
 
     torchrun --nproc_per_node 2 -m slimopt.cli train --distributed fsdp2 --optimizer galore_adamw8bit
 
-- ``ddp``: ``DistributedDataParallel``; every process holds the whole model and optimizer.
+- ``ddp``: ``DistributedDataParallel``; every process holds the whole model and optimizer, and
+  computes 1/N of the projection refreshes (``slimopt.distributed.spread_refreshes``).
 - ``zero1``: DDP, with the optimizer state split over the processes
   (``slimopt.distributed.zero_redundancy_optimizer``).
 - ``fsdp2``: ``fully_shard`` on every decoder layer and on the model; parameters, gradients and
@@ -106,12 +107,15 @@ class Parallel:
 
     def optimizer(self, model: nn.Module, name: str, lr: float, options: dict[str, Any]) -> Any:
         """The optimizer of ``model`` (unwrapped) for this strategy."""
-        from slimopt.distributed import zero_redundancy_optimizer
-        from slimopt.registry import build_optimizer
+        from slimopt.distributed import spread_refreshes, zero_redundancy_optimizer
+        from slimopt.registry import OPTIMIZERS, build_optimizer, resolve_name
 
         if self.strategy == "zero1":
             return zero_redundancy_optimizer(model, name, lr=lr, **options)
-        return build_optimizer(model, name, lr=lr, **options)
+        optimizer = build_optimizer(model, name, lr=lr, **options)
+        if self.strategy == "ddp" and OPTIMIZERS[resolve_name(name)].projected:
+            spread_refreshes(optimizer)  # each process finds 1/N of the bases; bit-identical
+        return optimizer
 
     def close(self) -> None:
         if self.strategy is not None and dist.is_initialized():
