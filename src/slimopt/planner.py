@@ -128,8 +128,11 @@ class MemoryPlan:
             lines += [
                 f"  {term.replace('_', ' '):<22}{_size(value):>12}"
                 for term, value in terms.items()
-                if term != "peak"
+                if term not in ("peak", "state_between_steps")
             ]
+            lines.append(
+                f"optimizer state and bases kept between steps: {_size(terms['state_between_steps'])}"
+            )
         if self.gpu_memory_bytes is not None:
             verdict = "fits" if self.fits else "does not fit"
             lines.append(
