@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
 from slimopt.distributed import barrier, initialized, local_view, process_rank
+from slimopt.files import move_into_place
 from slimopt.optimizer import GaLoreOptimizer, _values
 
 MODEL, OPTIMIZER = "model/", "optimizer/"
@@ -59,14 +60,7 @@ def save(directory: str | Path, model: nn.Module, optimizer: GaLoreOptimizer) ->
     write(staging, model, optimizer)
     barrier()
     if process_rank() == 0:
-        if final.exists():
-            retired = final.parent / f".{final.name}.old"
-            shutil.rmtree(retired, ignore_errors=True)
-            final.rename(retired)
-            staging.rename(final)
-            shutil.rmtree(retired)
-        else:
-            staging.rename(final)
+        move_into_place(staging, final)
     barrier()
     return final
 

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from slimopt.files import move_into_place
+
 MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "optimizer.pt", "trainer.pt")
 SHARDED = "sharded"  # the DCP directory of a checkpoint written by every process
@@ -82,14 +84,7 @@ def save_checkpoint(
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
         for path in staging.rglob("*"):
             _fsync(path)
-        if final.exists():  # re-saving a step: move the old one aside first, then drop it
-            retired = directory / f".{final.name}.old"
-            shutil.rmtree(retired, ignore_errors=True)
-            final.rename(retired)
-            staging.rename(final)
-            shutil.rmtree(retired)
-        else:
-            staging.rename(final)
+        move_into_place(staging, final)  # re-saving a step replaces it
         _fsync(directory)
     barrier()
     return final
