@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from slimopt import __version__
+from slimopt.distributed import STRATEGIES
 from slimopt.layerwise import REFRESH_FROM
 from slimopt.optimizer import PROJECTION_DEFAULTS, STORAGE_DEFAULTS
 from slimopt.registry import OPTIMIZERS, OPTION_TYPES, available_optimizers, resolve_name
 from slimopt.train.models import LLAMA_PRESETS
-from slimopt.train.parallel import STRATEGIES
 
 # Flags that configure the optimizer rather than the run, with their types (``stagger``, a
 # boolean that is on by default, is left to config files and the Python API).

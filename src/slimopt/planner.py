@@ -27,10 +27,10 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from slimopt.distributed import STRATEGIES as PROCESS_STRATEGIES
 from slimopt.layerwise import check_refresh_from, layerwise
 from slimopt.memory import LiveBytes, storage_nbytes
 from slimopt.optimizer import BASIS_KEYS
-from slimopt.process_memory import STRATEGIES as PROCESS_STRATEGIES
 from slimopt.process_memory import parameter_bytes, per_process
 from slimopt.registry import OPTIMIZERS, build_optimizer, resolve_name, select_target_modules
 

@@ -26,9 +26,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from slimopt.distributed import STRATEGIES
 from slimopt.optimizer import BASIS_KEYS
 
-STRATEGIES = ("ddp", "zero1", "fsdp2")
 # A decoder layer is one FSDP2 unit (``fully_shard`` per layer, then the model).
 LAYER = re.compile(r"(.*\.layers\.\d+)\.")
 

@@ -27,6 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+# How a multi-process run shares the work (``slimopt train --distributed``, ``slimopt memory``).
+STRATEGIES = ("ddp", "zero1", "fsdp2")
+
 
 def initialized() -> bool:
     """Whether this process is in a ``torch.distributed`` process group."""

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from slimopt.distributed import from_first, local_view
+from slimopt.distributed import STRATEGIES, from_first, local_view
 from slimopt.layerwise import check_refresh_from, layerwise
 from slimopt.memory import LiveBytes, state_nbytes, state_tensors
 from slimopt.registry import OPTIMIZERS, resolve_name
@@ -38,7 +38,7 @@ from slimopt.train.checkpoint import (
 )
 from slimopt.train.corpus import load_corpus, split_documents
 from slimopt.train.models import build_llama, enable_checkpointing
-from slimopt.train.parallel import STRATEGIES, Parallel, start_run
+from slimopt.train.parallel import Parallel, start_run
 from slimopt.train.rundir import claim, default_out, run_directory
 from slimopt.train.tokenizer import (
     TextTokenizer,

@@ -26,9 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from slimopt.distributed import barrier
-
-STRATEGIES = ("ddp", "zero1", "fsdp2")
+from slimopt.distributed import STRATEGIES, barrier
 
 
 @dataclass
