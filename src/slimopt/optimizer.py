@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from slimopt import loading
+from slimopt import kernels, loading
 from slimopt.codecs import STATE_FORMATS, moment_codec, state_key
 from slimopt.codecs.plain import round_to_bf16_stochastically
 from slimopt.codecs.rows import RowSlicedStorage, matrix_shape, row_sliced_storage, sliced, slices_to_update
@@ -65,7 +65,12 @@ PROJECTION_DEFAULTS: dict[str, Any] = {
     "basis_states": "fp32",
 }
 
-STORAGE_DEFAULTS: dict[str, Any] = {"states": "fp32", "block_size": None, "param_rounding": "nearest"}
+STORAGE_DEFAULTS: dict[str, Any] = {
+    "states": "fp32",
+    "block_size": None,
+    "param_rounding": "nearest",
+    "fused": None,
+}
 # How an update is rounded into a bf16 parameter.
 PARAM_ROUNDINGS = ("nearest", "stochastic")
 
@@ -120,7 +125,53 @@ class GaLoreOptimizer(Optimizer):
             + _projection_errors(group)
             + self._complex_errors(group)
             + self._sharding_errors(group)
+            + self._fused_errors(group)
         )
+
+    def _fused_errors(self, group: dict[str, Any]) -> list[str]:
+        """``fused=True`` is a promise: every parameter of the group takes the fused step."""
+        choice = group["fused"]
+        if choice not in kernels.FUSED_CHOICES:
+            return [f"fused must be None (auto), True or False, got {choice!r}"]
+        if choice is not True:
+            return []
+        reasons = {reason for p in group["params"] if (reason := kernels.unsupported(self.rule, group, p))}
+        compiler = kernels.compiler_error()
+        if compiler:
+            reasons.add(compiler)
+        return [f"fused=True: {reason}; use fused=None (auto) or False" for reason in sorted(reasons)]
+
+    def _fused(self, param: Tensor, group: dict[str, Any]) -> bool:
+        """Whether ``param`` takes the fused step (``slimopt.kernels``): always with
+        ``fused=True``, never with False, and with None (auto) on CUDA where one exists."""
+        choice = group["fused"]
+        if choice is False or param.is_meta:
+            return False
+        if choice is True:
+            return True
+        auto = param.device.type == "cuda" and kernels.compiler_error() is None
+        return auto and kernels.unsupported(self.rule, group, param) is None
+
+    @property
+    def fused_path(self) -> list[str]:
+        """Per param group, the path its updates take: "fused" or "reference" (why, for auto)."""
+        paths = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.numel()]
+            if params and all(self._fused(p, group) for p in params):
+                paths.append("fused")
+            elif group["fused"] is False:
+                paths.append("reference (fused=False)")
+            else:
+                reasons = {kernels.unsupported(self.rule, group, p) for p in params} - {None}
+                devices = {p.device.type for p in params}
+                why = (
+                    "; ".join(sorted(reasons))
+                    if reasons
+                    else f"auto fuses on CUDA, parameters on {', '.join(sorted(devices))}"
+                )
+                paths.append(f"reference ({why})")
+        return paths
 
     def _sharding_errors(self, group: dict[str, Any]) -> list[str]:
         """DTensors split by rows are updated shard by shard, which is exact for an elementwise
@@ -236,6 +287,13 @@ class GaLoreOptimizer(Optimizer):
         if not loading.is_slimopt_state_dict(state_dict):
             state_dict = loading.from_torch_adam(self, state_dict)
         state_dict = loading.fill_new_options(self, state_dict)
+        # fused is how this optimizer runs here (the device, the compiler), not a setting of the
+        # run: each group keeps its own, as it keeps its storage format.
+        groups = zip(state_dict["param_groups"], self.param_groups, strict=False)
+        state_dict = {
+            **state_dict,
+            "param_groups": [{**saved, "fused": own["fused"]} for saved, own in groups],
+        }
         loading.check_layout(self, state_dict)
         pairs = zip(state_dict["param_groups"], self.param_groups, strict=False)
         for index, (saved, current) in enumerate(pairs):
@@ -349,6 +407,19 @@ class GaLoreOptimizer(Optimizer):
                     state[key] = value
             state["moment_step"] = 0
         age = self._advance(state)
+        if self._fused(param, group):
+            with _matrix_of(param) as weights:
+                lr = self.rule.step_size(group, weights, state["step"])
+                codecs = self._moment_codecs(group, layout)
+                stored = {key: _stored_parts(state, key, codec.parts) for key, codec in codecs.items()}
+                if basis is None:  # moments and weights in one fused step
+                    self._fused_step(group, grad, codecs, stored, age, lr, weights)
+                    return
+                direction = self._fused_step(group, grad, codecs, stored, age, lr, None).view(grad.shape)
+                for _, rows in slices_to_update(*weights.shape, meta=False):
+                    update = project_back(direction, basis, rows)
+                    _update_weights(weights[rows], update, lr, group["scale"], group["weight_decay"])
+            return
         moments = self._decode_all(state, group, grad.shape, layout)
         direction = self.rule.direction(grad, {**state, **moments}, age, group)
         for key, value in moments.items():
@@ -364,6 +435,39 @@ class GaLoreOptimizer(Optimizer):
             for _, rows in slices_to_update(*weights.shape, meta=weights.is_meta):
                 update = project_back(direction, basis, rows)
                 _update_weights(weights[rows], update, lr, group["scale"], decay, rounding)
+
+    def _moment_codecs(self, group: dict[str, Any], layout: torch.Size) -> dict[str, Any]:
+        return {
+            key: moment_codec(group["states"], kind, layout, group["block_size"])
+            for key, kind in self.rule.moment_kinds.items()
+        }
+
+    def _fused_step(
+        self,
+        group: dict[str, Any],
+        grad: Tensor,
+        codecs: dict[str, Any],
+        stored: dict[str, dict[str, Tensor]],
+        age: int,
+        lr: float,
+        weights: Tensor | None,
+    ) -> Tensor | None:
+        """The rule's step through ``slimopt.kernels``: moments stored by ``codecs`` in
+        ``stored`` (updated in place) and ``weights`` (contiguous, updated in place), or, without
+        them, the direction returned."""
+        device = grad.device
+        keys = list(self.rule.moment_kinds)
+        storages = tuple(kernels.storage_of(codecs[key]) for key in keys)
+        tables = tuple(
+            codecs[key].tables(device) if storages[i].block_size else () for i, key in enumerate(keys)
+        )
+        scale = 1.0 if weights is not None else group["scale"]
+        hyper = kernels.hyperparameters(
+            lr, group["betas"], group["eps"], group["weight_decay"], age, scale, device
+        )
+        flat = None if weights is None else weights.view(-1)
+        parts = tuple(stored[key] for key in keys)
+        return kernels.adamw_step(grad.contiguous().view(-1), parts, storages, tables, hyper, flat)
 
     def _by_row_slices(self, param: Tensor, group: dict[str, Any], shape: torch.Size | None = None) -> bool:
         """Whether an update of ``param`` (and its moments' storage) goes by slices of rows;
@@ -393,8 +497,14 @@ class GaLoreOptimizer(Optimizer):
         age = self._advance(state)
         lr = self.rule.step_size(group, weights, state["step"])
         rounding = generator if _rounds_stochastically(param, group) else None
+        fused = not first and self._fused(param, group)
         for index, rows in slices_to_update(*weights.shape, meta=weights.is_meta):
             slice_grad = grad[rows].float()
+            if fused:
+                codecs = {key: storage.codecs[index][0] for key, storage in storages.items()}
+                parts = {key: storage.parts(stored[key], index) for key, storage in storages.items()}
+                self._fused_step(group, slice_grad, codecs, parts, age, lr, weights[rows])
+                continue
             if first:
                 moments = self.rule.init_state(slice_grad, group, projected=False)
             else:

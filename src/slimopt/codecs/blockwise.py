@@ -53,7 +53,7 @@ class BlockwiseCodec:
             self._search += (_first_codes(midpoints),)
         self._device_maps: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
 
-    def _maps(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    def tables(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         """The map, its midpoints (then +inf) and the first code of every bucket, on ``device``."""
         if device not in self._device_maps:
             with untracked():  # a cache for the whole process, not memory of a training step
@@ -61,7 +61,7 @@ class BlockwiseCodec:
         return self._device_maps[device]
 
     def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
-        _, midpoints, first_codes = self._maps(value.device)
+        _, midpoints, first_codes = self.tables(value.device)
         blocks = _blocks(value, self.block_size)
         absmax = blocks.abs().amax(dim=1).clamp_(max=FLOAT32_MAX)
         normalized = (blocks / torch.where(absmax > 0, absmax, 1.0).unsqueeze(1)).reshape(-1)
@@ -77,7 +77,7 @@ class BlockwiseCodec:
         return {"codes": codes, "absmax": absmax}
 
     def decode(self, stored: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
-        values, _, _ = self._maps(stored["codes"].device)
+        values, _, _ = self.tables(stored["codes"].device)
         codes = stored["codes"]
         if self.bits == 4:
             codes = torch.stack([codes & 15, codes >> 4], dim=1).reshape(-1)

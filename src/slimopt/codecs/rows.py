@@ -118,14 +118,17 @@ class RowSlicedStorage:
             self.encode(stored, index, matrix[rows], generator)
         return stored
 
-    def decode(self, stored: dict[str, Tensor], index: int) -> Tensor:
-        """The fp32 moment of slice ``index``."""
-        codec, shape = self.codecs[index]
-        parts = {
+    def parts(self, stored: dict[str, Tensor], index: int) -> dict[str, Tensor]:
+        """Slice ``index``'s stored parts: views into ``stored`` (writing them writes it)."""
+        return {
             part: _view(stored[part], offset, part_shape)
             for part, (offset, part_shape) in self.layout[index].items()
         }
-        return codec.decode(parts, shape)
+
+    def decode(self, stored: dict[str, Tensor], index: int) -> Tensor:
+        """The fp32 moment of slice ``index``."""
+        codec, shape = self.codecs[index]
+        return codec.decode(self.parts(stored, index), shape)
 
     def encode(
         self, stored: dict[str, Tensor], index: int, value: Tensor, generator: torch.Generator | None

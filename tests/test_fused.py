@@ -1,0 +1,200 @@
+"""The fused step (``slimopt.kernels``, ``fused=True``) against the reference path it compiles:
+the same codes for the same values, parameters within fp32 round-off, every layout the
+reference path handles, and a clear refusal where no fused step exists."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+import slimopt
+from slimopt import kernels
+from slimopt.codecs import moment_codec
+from slimopt.rules import AdamWRule
+
+from .conftest import tiny_llama
+
+
+def _run(name: str, fused: bool, dtype: torch.dtype = torch.float32, steps: int = 4, **options):
+    torch.manual_seed(0)
+    model = tiny_llama().to(dtype)
+    optimizer = slimopt.build_optimizer(model, name, lr=1e-2, fused=fused, **options)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for param in model.parameters():
+            param.grad = torch.randn(param.shape, generator=generator).to(dtype)
+        optimizer.step()
+    return [p.detach().float().clone() for p in model.parameters()], optimizer
+
+
+def _distance(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    return max(((a - b).norm() / b.norm()).item() for a, b in zip(ours, reference, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("adamw", {}),
+        ("adamw8bit", {}),
+        ("adamw4bit", {}),
+        ("galore_adamw", {"rank": 8}),
+        ("galore_adamw8bit", {"rank": 8}),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_step_matches_the_reference_path(name, options, dtype) -> None:
+    """Four steps of the test LLaMA. The fused loops may contract a multiply and an add into one
+    rounding: a 1-ulp difference in a moment that sometimes moves a value across a code's
+    midpoint (int8: 1.3e-6 measured) or a bf16 weight across a rounding boundary (3.8e-5)."""
+    reference, _ = _run(name, False, dtype, **options)
+    fused, optimizer = _run(name, True, dtype, **options)
+    assert optimizer.fused_path == ["fused"] * len(optimizer.param_groups)
+    assert _distance(fused, reference) < (1e-5 if dtype == torch.float32 else 1e-4)
+
+
+@pytest.mark.parametrize("states", ["int8", "int4"])
+@pytest.mark.parametrize("numel", [4096 * 3, 5000], ids=["whole-blocks", "padded"])
+def test_codes_are_the_reference_encoding(states, numel) -> None:
+    """One step of stored moments through the fused step and through decode → rule → encode:
+    the same codes (a code may differ by one where the fp32 value sits on a midpoint), the same
+    block scales and direction to fp32 round-off."""
+    generator = torch.Generator().manual_seed(0)
+    shape = torch.Size((numel,))
+    codecs = [moment_codec(states, kind, shape) for kind in ("linear", "square")]
+    moments = [torch.randn(shape, generator=generator) * 1e-3, torch.rand(shape, generator=generator) * 1e-6]
+    stored = [codec.encode(value) for codec, value in zip(codecs, moments, strict=True)]
+    grad = torch.randn(shape, generator=generator) * 1e-3
+    group = {"betas": (0.9, 0.999), "eps": 1e-8}
+    decoded = {
+        key: codec.decode(parts, shape)
+        for key, codec, parts in zip(("exp_avg", "exp_avg_sq"), codecs, stored, strict=True)
+    }
+    direction = AdamWRule().direction(grad, decoded, 7, group)
+    expected = [
+        codec.encode(decoded[key]) for key, codec in zip(("exp_avg", "exp_avg_sq"), codecs, strict=True)
+    ]
+    ours = [{part: tensor.clone() for part, tensor in parts.items()} for parts in stored]
+    storages = tuple(kernels.storage_of(codec) for codec in codecs)
+    tables = tuple(codec.tables(torch.device("cpu")) for codec in codecs)
+    hyper = kernels.hyperparameters(1e-3, (0.9, 0.999), 1e-8, 0.0, 7, 1.0, "cpu")
+    fused_direction = kernels.adamw_step(grad, tuple(ours), storages, tables, hyper, None)
+    # fp32 round-off: one rounding of a multiply-add here and there, relative to the whole (an
+    # element near zero after the moment's cancellation differs more in its own terms).
+    assert ((fused_direction - direction).norm() / direction.norm()).item() < 1e-6
+    for mine, theirs in zip(ours, expected, strict=True):
+        assert ((mine["absmax"] - theirs["absmax"]).norm() / theirs["absmax"].norm()).item() < 1e-6
+        for low, high in ((15, 0), (4, 4)) if states == "int4" else ((255, 0),):
+            a = (mine["codes"].int() >> high) & low
+            b = (theirs["codes"].int() >> high) & low
+            differ = a != b
+            assert int(differ.sum()) <= max(1, numel // 10_000) and int((a - b).abs().max()) <= 1
+
+
+def test_large_matrices_update_by_slices_as_the_reference_does() -> None:
+    """A matrix above 2²² elements is stored and updated by slices of rows; the fused step runs
+    slice by slice on the same stored layout."""
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        weight = torch.nn.Parameter(torch.randn(4099, 1025))
+        optimizer = slimopt.AdamW8bit([weight], lr=1e-2, fused=fused)
+        for step in range(3):
+            weight.grad = torch.randn(weight.shape, generator=torch.Generator().manual_seed(step))
+            optimizer.step()
+        results.append(weight.detach().clone())
+    assert ((results[1] - results[0]).norm() / results[0].norm()).item() < 1e-5
+
+
+def test_channels_last_and_empty_parameters() -> None:
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        kernel = torch.nn.Parameter(torch.randn(64, 32, 3, 3).to(memory_format=torch.channels_last))
+        empty = torch.nn.Parameter(torch.randn(0, 8))
+        optimizer = slimopt.AdamW8bit([kernel, empty], lr=1e-2, fused=fused)
+        for step in range(3):
+            kernel.grad = torch.randn(kernel.shape, generator=torch.Generator().manual_seed(step))
+            empty.grad = torch.zeros_like(empty)
+            optimizer.step()
+        assert kernel.is_contiguous(memory_format=torch.channels_last)
+        results.append(kernel.detach().clone())
+    assert ((results[1] - results[0]).norm() / results[0].norm()).item() < 1e-5
+
+
+def test_resume_is_bit_exact() -> None:
+    """Two steps, state_dict through torch.save, a fresh optimizer loads it and takes two more:
+    the parameters of four uninterrupted steps, bit for bit."""
+    uninterrupted, _ = _run("adamw8bit", True, steps=4)
+    torch.manual_seed(0)
+    model = tiny_llama()
+    first = slimopt.build_optimizer(model, "adamw8bit", lr=1e-2, fused=True)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(4):
+        if step == 2:
+            saved = io.BytesIO()
+            torch.save(first.state_dict(), saved)
+            first = slimopt.build_optimizer(model, "adamw8bit", lr=1e-2, fused=True)
+            first.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+        for param in model.parameters():
+            param.grad = torch.randn(param.shape, generator=generator)
+        first.step()
+    assert all(torch.equal(a, b) for a, b in zip(uninterrupted, model.parameters(), strict=True))
+
+
+def test_fused_setting_is_the_loading_optimizers_own() -> None:
+    _, fused = _run("adamw8bit", True, steps=1)
+    model = tiny_llama()
+    reference = slimopt.build_optimizer(model, "adamw8bit", lr=1e-2, fused=False)
+    reference.load_state_dict(fused.state_dict())
+    assert [group["fused"] for group in reference.param_groups] == [False] * len(reference.param_groups)
+
+
+def test_auto_fuses_on_cuda_only_and_says_why() -> None:
+    model = tiny_llama()
+    optimizer = slimopt.build_optimizer(model, "adamw8bit", lr=1e-3)
+    assert optimizer.fused_path[0] == "reference (auto fuses on CUDA, parameters on cpu)"
+    ternary = slimopt.build_optimizer(model, "adamw_ternary", lr=1e-3)
+    assert "states='ternary' draws random numbers" in ternary.fused_path[0]
+    off = slimopt.build_optimizer(model, "adamw", lr=1e-3, fused=False)
+    assert off.fused_path[0] == "reference (fused=False)"
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda m: slimopt.build_optimizer(m, "adamw_ternary", lr=1e-3, fused=True),
+            "states='ternary' draws random numbers",
+        ),
+        (
+            lambda m: slimopt.build_optimizer(m, "adamw", lr=1e-3, states="bf16", fused=True),
+            "states='bf16' draws random numbers",
+        ),
+        (
+            lambda m: slimopt.build_optimizer(m, "adafactor", lr=1e-3, fused=True),
+            "the Adafactor rule has no fused step",
+        ),
+        (
+            lambda m: slimopt.build_optimizer(
+                m.to(torch.bfloat16), "adamw", lr=1e-3, param_rounding="stochastic", fused=True
+            ),
+            "param_rounding='stochastic' draws random numbers",
+        ),
+        (
+            lambda m: slimopt.build_optimizer(m, "adamw", lr=1e-3, fused="yes"),
+            "fused must be None (auto), True or False, got 'yes'",
+        ),
+    ],
+)
+def test_fused_true_without_a_fused_step_is_refused(build, message) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build(tiny_llama())
+
+
+def test_hyperparameters_are_rounded_once_from_double() -> None:
+    hyper = kernels.hyperparameters(1e-3, (0.9, 0.999), 1e-8, 0.1, 3, 0.25, "cpu")
+    expected = [0.1, 0.999, 0.001, 1e-8, 1 - 0.9**3, math.sqrt(1 - 0.999**3), 1 - 1e-4, -2.5e-4]
+    assert hyper.tolist() == torch.tensor(expected, dtype=torch.float32).tolist()
