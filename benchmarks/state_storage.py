@@ -1,5 +1,6 @@
 """Bytes of optimizer state per parameter and optimizer-step time for every storage format,
-side by side with bitsandbytes AdamW8bit and torchao AdamW8bit / AdamW4bit, in one run.
+side by side with bitsandbytes AdamW8bit and torchao AdamW8bit / AdamW4bit, in one run; slimopt's
+formats with a fused step (``slimopt.kernels``) run both ways, ``fused=False`` and ``True``.
 
 Parameters are the projected matrices plus embedding, head and norms of a LLaMA preset with
 random gradients; times are medians after warm-up steps (torchao compiles on its first step).
@@ -57,13 +58,21 @@ def candidates(rank: int) -> dict[str, Callable[[torch.nn.Module], torch.optim.O
         "bitsandbytes AdamW8bit": lambda m: bnb.optim.AdamW8bit(m.parameters(), lr=1e-3),
         "torchao AdamW8bit": lambda m: AdamW8bit(m.parameters(), lr=1e-3),
         "torchao AdamW4bit": lambda m: AdamW4bit(m.parameters(), lr=1e-3),
-        "slimopt adamw": lambda m: build_optimizer(m, "adamw", lr=1e-3),
-        "slimopt adamw8bit": lambda m: build_optimizer(m, "adamw8bit", lr=1e-3),
-        "slimopt adamw4bit": lambda m: build_optimizer(m, "adamw4bit", lr=1e-3),
+        **{
+            f"slimopt {name}{' ' + label if label else ''} (fused={fused})": (
+                lambda m, name=name, options=options, fused=fused: build_optimizer(
+                    m, name, lr=1e-3, fused=fused, **options
+                )
+            )
+            for name, label, options in (
+                ("adamw", "", {}),
+                ("adamw8bit", "", {}),
+                ("adamw4bit", "", {}),
+                ("galore_adamw8bit", f"r{rank}", {"rank": rank, "update_proj_gap": 10**9}),
+            )
+            for fused in (False, True)
+        },
         "slimopt adamw_ternary": lambda m: build_optimizer(m, "adamw_ternary", lr=1e-3),
-        f"slimopt galore_adamw8bit r{rank}": lambda m: build_optimizer(
-            m, "galore_adamw8bit", lr=1e-3, rank=rank, update_proj_gap=10**9
-        ),
         f"slimopt galore_adamw_ternary r{rank}": lambda m: build_optimizer(
             m, "galore_adamw_ternary", lr=1e-3, rank=rank, update_proj_gap=10**9
         ),
