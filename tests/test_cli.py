@@ -450,3 +450,29 @@ def test_distributed_flags_fail_in_one_line(workspace: Path, tmp_path: Path, cap
     assert "invalid choice: 'deepspeed'" in error and all(
         name in error for name in ("none", "zero1", "fsdp2")
     )
+
+
+def test_bench_times_slimopt_beside_the_references(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "bench.json"
+    argv = [
+        "bench",
+        "--model",
+        "llama_9m",
+        "--optimizers",
+        "torch_adamw_foreach,torch_adamw_fused,adamw,adamw8bit",
+    ]
+    argv += ["--batch", "1", "--seq", "16", "--steps", "1", "--warmup", "1", "--json", str(out)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "skipping torch_adamw_fused (CUDA only)" in captured.err
+    assert "| optimizer | training step s | optimizer step s | state MiB | peak MiB |" in captured.out
+    rows = {row["optimizer"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"torch_adamw_foreach", "adamw", "adamw8bit"}
+    # The same fp32 moments as torch's AdamW; int8 keeps about a quarter of them.
+    assert rows["adamw"]["state_bytes"] == rows["torch_adamw_foreach"]["state_bytes"]
+    assert rows["adamw8bit"]["state_bytes"] < 0.3 * rows["adamw"]["state_bytes"]
+    assert all(row["step_seconds"] > row["optimizer_step_seconds"] > 0 for row in rows.values())
+    assert main(["bench", "--optimizers", "adam_w"]) == 2
+    assert "unknown optimizer 'adam_w' for slimopt bench; valid: adamw," in capsys.readouterr().err
+    assert main(["bench", "--steps", "0"]) == 2
+    assert "--steps must be a positive integer, got 0" in capsys.readouterr().err

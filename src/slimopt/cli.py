@@ -171,7 +171,76 @@ def build_parser() -> argparse.ArgumentParser:
     _run_flags(compare)
     memory = commands.add_parser("memory", help="predict (or measure) the memory of a training step")
     _memory_flags(memory)
+    bench = commands.add_parser("bench", help="time training and optimizer steps beside the references")
+    _bench_flags(bench)
     return parser
+
+
+def _bench_flags(parser: argparse.ArgumentParser) -> None:
+    from slimopt.train.bench import DEFAULT, REFERENCES
+    from slimopt.train.loop import DEVICES
+
+    parser.add_argument(
+        "--model", default="llama_60m", choices=list(LLAMA_PRESETS), help="preset (default llama_60m)"
+    )
+    parser.add_argument(
+        "--optimizers",
+        default=DEFAULT,
+        help=f"comma-separated slimopt names and references ({', '.join(REFERENCES)}); default {DEFAULT}",
+    )
+    parser.add_argument(
+        "--device", choices=DEVICES, default="auto", help="auto (CUDA when available), cpu or cuda"
+    )
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per optimizer (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--rank", type=int, help="GaLore rank (default: a quarter of the smaller side)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Print the table (and write JSON); optimizers that cannot run here are named on stderr."""
+    from slimopt.train.bench import available, bench, table, write_json
+    from slimopt.train.loop import resolve_device
+
+    for flag in ("batch", "seq", "steps"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be an integer >= 0, got {args.warmup}")
+    device = resolve_device(args.device)
+    names, skipped = available([n.strip() for n in args.optimizers.split(",") if n.strip()], device)
+    for reason in skipped:
+        print(f"slimopt: skipping {reason}", file=sys.stderr)
+    rows = bench(
+        args.model,
+        names,
+        device=device,
+        batch_size=args.batch,
+        seq_len=args.seq,
+        steps=args.steps,
+        warmup=args.warmup,
+        rank=args.rank,
+        progress=lambda name: print(f"slimopt: measuring {name}", file=sys.stderr),
+    )
+    setting = {
+        "model": args.model,
+        "device": str(device),
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+    }
+    import torch
+
+    title = (
+        f"{args.model} on {device} (torch {torch.__version__}), {args.batch}×{args.seq} tokens, "
+        f"median of {args.steps} steps after {args.warmup}"
+    )
+    print(table(rows, title))
+    if args.json:
+        print(f"slimopt: wrote {write_json(rows, setting, args.json)}", file=sys.stderr)
+    return 0
 
 
 def _memory_flags(parser: argparse.ArgumentParser) -> None:
@@ -383,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 130 if summary["interrupted"] else 0
             if args.command == "memory":
                 return run_memory(args)
+            if args.command == "bench":
+                return run_bench(args)
             results = run_compare(options, getattr(args, "preset", None))
             return 130 if results[-1]["interrupted"] else 0
         except (ValueError, CorpusError, CheckpointError) as error:

@@ -1,0 +1,239 @@
+"""``slimopt bench``: optimizer-step and training-step time, state bytes and peak memory of
+slimopt's optimizers beside the references, on one LLaMA preset, in one run.
+
+Each optimizer trains a freshly built model (random init; bf16 weights on CUDA, fp32 on the CPU)
+on random tokens: warm-up steps first (they create the state, and compile fused steps), then
+timed steps, each timed whole (forward, backward, optimizer step) and the optimizer step alone.
+References are measured where their package is installed: torch's AdamW (``foreach``, and
+``fused`` on CUDA), bitsandbytes' AdamW8bit, torchao's AdamW8bit and AdamW4bit, galore-torch's
+GaLoreAdamW8bit. Peak memory is ``torch.cuda.max_memory_allocated`` on CUDA and the live tensor
+bytes of a step on the CPU (``slimopt.memory.LiveBytes``).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from slimopt.memory import LiveBytes, state_tensors
+from slimopt.registry import OPTIMIZERS, build_optimizer, resolve_name
+
+# References: name → (package that must be installed, whether it needs CUDA, constructor).
+REFERENCES: dict[str, tuple[str | None, bool, Callable[[nn.Module, float], Any]]] = {
+    "torch_adamw_foreach": (
+        None,
+        False,
+        lambda m, lr: torch.optim.AdamW(m.parameters(), lr=lr, foreach=True),
+    ),
+    "torch_adamw_fused": (None, True, lambda m, lr: torch.optim.AdamW(m.parameters(), lr=lr, fused=True)),
+    "bnb_adamw8bit": (
+        "bitsandbytes",
+        False,
+        lambda m, lr: _bitsandbytes().optim.AdamW8bit(m.parameters(), lr=lr),
+    ),
+    "torchao_adamw8bit": ("torchao", False, lambda m, lr: _torchao().AdamW8bit(m.parameters(), lr=lr)),
+    "torchao_adamw4bit": ("torchao", False, lambda m, lr: _torchao().AdamW4bit(m.parameters(), lr=lr)),
+    "galore_torch_adamw8bit": ("galore_torch", True, lambda m, lr: _galore_torch(m, lr)),  # rank 512
+}
+DEFAULT = (
+    "torch_adamw_foreach,torch_adamw_fused,bnb_adamw8bit,torchao_adamw8bit,adamw,adamw8bit,galore_adamw8bit"
+)
+
+
+def available(names: list[str], device: torch.device) -> tuple[list[str], list[str]]:
+    """``names`` split into those measurable here and those left out (with why). Raises
+    ``ValueError`` for a name that is neither slimopt's nor a reference."""
+    kept, skipped = [], []
+    for name in names:
+        if name in REFERENCES:
+            package, cuda_only, _ = REFERENCES[name]
+            if cuda_only and device.type != "cuda":
+                skipped.append(f"{name} (CUDA only)")
+            elif package is not None and importlib.util.find_spec(package) is None:
+                skipped.append(f"{name} ({package} is not installed)")
+            else:
+                kept.append(name)
+            continue
+        try:
+            resolve_name(name)
+        except ValueError:
+            valid = ", ".join([*OPTIMIZERS, *REFERENCES])
+            raise ValueError(f"unknown optimizer {name!r} for slimopt bench; valid: {valid}") from None
+        kept.append(name)
+    return kept, skipped
+
+
+def bench(
+    model_name: str,
+    names: list[str],
+    *,
+    device: torch.device,
+    batch_size: int,
+    seq_len: int,
+    steps: int,
+    warmup: int = 2,
+    rank: int | None = None,
+    lr: float = 1e-3,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[dict[str, Any]]:
+    """One row per optimizer: median seconds of a training step and of its optimizer step,
+    state bytes, peak memory bytes (see the module docstring)."""
+    rows = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for name in names:
+        progress(name)
+        torch.manual_seed(0)
+        model = _model(model_name, device)
+        optimizer = _optimizer(model, name, lr, rank)
+        vocab = model.config.vocab_size
+        step_seconds, optimizer_seconds = [], []
+        for step in range(warmup + steps):
+            batch = torch.randint(0, vocab, (batch_size, seq_len), device=device)
+            began = _now(device)
+            model(input_ids=batch, labels=batch).loss.backward()
+            stepping = _now(device)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            ended = _now(device)
+            if step >= warmup:
+                step_seconds.append(ended - began)
+                optimizer_seconds.append(ended - stepping)
+        peak = _peak(model, optimizer, device, batch_size, seq_len)
+        rows.append(
+            {
+                "optimizer": name,
+                "step_seconds": statistics.median(step_seconds),
+                "optimizer_step_seconds": statistics.median(optimizer_seconds),
+                "state_bytes": _state_bytes(optimizer),
+                "peak_memory_bytes": peak,
+                "fused_path": getattr(optimizer, "fused_path", None),
+            }
+        )
+        del model, optimizer
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+    return rows
+
+
+def table(rows: list[dict[str, Any]], setting: str) -> str:
+    """The rows as a Markdown table with the setting above it."""
+    lines = [
+        setting,
+        "",
+        "| optimizer | training step s | optimizer step s | state MiB | peak MiB |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        peak = row["peak_memory_bytes"]
+        shown = "— (compiled)" if peak is None else f"{peak / 2**20:.1f}"
+        lines.append(
+            f"| {row['optimizer']} | {row['step_seconds']:.4f} | {row['optimizer_step_seconds']:.4f} | "
+            f"{row['state_bytes'] / 2**20:.1f} | {shown} |"
+        )
+    return "\n".join(lines)
+
+
+def write_json(rows: list[dict[str, Any]], setting: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"setting": setting, "rows": rows}, indent=1))
+    return path
+
+
+def _model(name: str, device: torch.device) -> nn.Module:
+    from slimopt.train.models import build_llama, default_dtype
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device), default_dtype(dtype):
+        model = build_llama(name, 32000, max_seq_len=2048)
+    return model.to(dtype).train()
+
+
+def _optimizer(model: nn.Module, name: str, lr: float, rank: int | None) -> Any:
+    if name in REFERENCES:
+        return REFERENCES[name][2](model, lr)
+    projection = {"rank": rank} if rank is not None and OPTIMIZERS[resolve_name(name)].projected else {}
+    return build_optimizer(model, name, lr=lr, **projection)
+
+
+def _peak(
+    model: nn.Module, optimizer: Any, device: torch.device, batch_size: int, seq_len: int
+) -> int | None:
+    """Peak memory of the steps so far on CUDA; on the CPU, of one more step counted by
+    ``LiveBytes``, or None for a compiled step (torch.compile does not run under the dispatch
+    mode that counts, so the count would be of another, eager, execution)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    compiled = "torchao" in type(optimizer).__module__ or "fused" in (
+        getattr(optimizer, "fused_path", None) or []
+    )
+    if compiled:
+        return None
+    tracker = LiveBytes()
+    tracker.adopt([*model.parameters(), *model.buffers(), *_state(optimizer)])
+    batch = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), device=device)
+    with tracker:
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return tracker.peak
+
+
+def _state(optimizer: Any) -> list[torch.Tensor]:
+    """State tensors, with tensor subclasses (torchao) flattened to their inner tensors."""
+    tensors = []
+    for value in state_tensors(optimizer):
+        if hasattr(value, "__tensor_flatten__"):
+            names, _ = value.__tensor_flatten__()
+            tensors += [getattr(value, n) for n in names]
+        elif value.dim() > 0:
+            tensors.append(value)
+    return tensors
+
+
+def _state_bytes(optimizer: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _state(optimizer))
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _bitsandbytes() -> Any:
+    import bitsandbytes
+
+    return bitsandbytes
+
+
+def _torchao() -> Any:
+    from torchao import optim
+
+    return optim
+
+
+def _galore_torch(model: nn.Module, lr: float) -> Any:
+    """galore-torch's 8-bit GaLoreAdamW as its README sets it up: the attention and MLP weights
+    projected at rank 512 (the anchors' setting), everything else plain."""
+    from galore_torch import GaLoreAdamW8bit
+
+    matrices = [
+        p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n
+    ]
+    ids = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    projected = {"params": matrices, "rank": 512, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
+    return GaLoreAdamW8bit([{"params": rest}, projected], lr=lr)
