@@ -125,7 +125,7 @@ def test_projected_matrices_accumulate_in_rank_r_buffers(shakespeare_tokens):
         buffers = handle.accumulation_buffers
         assert set(buffers) == set(projected)
         for param, buffer in buffers.items():
-            basis = optimizer._basis(param, optimizer.param_groups[0])
+            basis = optimizer.basis(param, optimizer.param_groups[0])
             assert buffer.shape == projected_shape(param.shape, basis) and buffer.dtype == torch.float32
             assert min(buffer.shape) == 8 and param.grad is None
         unprojected = [p for g in optimizer.param_groups[1:] for p in g["params"]]
@@ -156,10 +156,10 @@ def test_refresh_from_micro_batch_never_keeps_a_projected_gradient_whole(shakesp
         assert all(p.grad is None for p in projected)
         for param, theirs in zip(projected, stepping.param_groups[0]["params"], strict=True):
             group = optimizer.param_groups[0]
-            ours = optimizer._basis(param, group)
+            ours = optimizer.basis(param, group)
             assert all(
                 torch.equal(a, b)
-                for a, b in zip(ours, stepping._basis(theirs, stepping.param_groups[0]), strict=True)
+                for a, b in zip(ours, stepping.basis(theirs, stepping.param_groups[0]), strict=True)
                 if a is not None
             )
             assert handle.accumulation_buffers[param].shape == projected_shape(param.shape, ours)
@@ -321,7 +321,7 @@ def test_bad_input_fails_at_construction():
         slimopt.layerwise(optimizer, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer))
     with pytest.raises(ValueError, match="unknown refresh_from 'first'; valid: step, micro_batch"):
         slimopt.layerwise(optimizer, refresh_from="first")
-    assert optimizer._layerwise is None
+    assert optimizer.layerwise_handle is None
 
 
 def test_groups_replaced_by_load_state_dict_are_the_ones_used(shakespeare_tokens):

@@ -96,7 +96,7 @@ class LayerwiseHandle:
         self._hooks: list[Any] = []
         self._watched: set[Tensor] = set()
         self.watch(list(self._groups))
-        optimizer._layerwise = self
+        optimizer.attach_layerwise(self)
 
     def watch(self, params: list[Tensor]) -> None:
         """Hook ``params`` (the optimizer calls this for a group added while layer-wise).
@@ -150,8 +150,8 @@ class LayerwiseHandle:
                 param.grad = None
         self._buffers.clear()
         self._accumulating.clear()
-        if getattr(self.optimizer, "_layerwise", None) is self:
-            self.optimizer._layerwise = None
+        if self.optimizer.layerwise_handle is self:
+            self.optimizer.attach_layerwise(None)
 
     def __enter__(self) -> LayerwiseHandle:
         return self
@@ -166,7 +166,7 @@ class LayerwiseHandle:
             self._groups = self._group_map()
         group = self._groups[param]
         last = self.micro_step == self.accumulation_steps - 1
-        whole = param not in self._buffers and self.optimizer._needs_full_gradient(param, group)
+        whole = param not in self._buffers and self.optimizer.needs_whole_gradient(param, group)
         if whole and not self._refreshed_early(param, group):
             if last:
                 self._step_whole(param, group)
@@ -182,13 +182,13 @@ class LayerwiseHandle:
         gradient; whether the parameter can accumulate in its projected space from now on."""
         if self.refresh_from != "micro_batch" or param in self._accumulating:
             return False
-        if not self.optimizer._projects(param, group):
+        if not self.optimizer.projects(param, group):
             return False
         # No basis (its first refresh failed): the step falls back to the whole gradient.
-        return self.optimizer._refreshed_basis(param, group, local_view(param.grad)) is not None
+        return self.optimizer.refreshed_basis(param, group, local_view(param.grad)) is not None
 
     def _accumulate_projected(self, param: Tensor, group: dict[str, Any], last: bool) -> None:
-        basis = self.optimizer._basis(param, group)
+        basis = self.optimizer.basis(param, group)
         grad = local_view(param.grad)
         dtype = grad.dtype
         total = project(grad.reshape(grad.shape[0], -1), basis)  # fp32
@@ -202,24 +202,20 @@ class LayerwiseHandle:
 
     def _step_projected(self, param: Tensor, group: dict[str, Any]) -> None:
         grad = self._clip(param, self._buffers.pop(param))
-        self.optimizer._apply_update(param, group, grad, self.optimizer._basis(param, group))
+        self.optimizer.apply_update(param, group, grad, self.optimizer.basis(param, group))
 
     def _step_whole(self, param: Tensor, group: dict[str, Any]) -> None:
         self._accumulating.discard(param)
-        prepared = self.optimizer._gradient_in_space(param, group, local_view(param.grad))
+        prepared = self.optimizer.gradient_in_space(param, group, local_view(param.grad))
         param.grad = None
         if prepared is not None:
             grad, basis = prepared
-            self.optimizer._apply_update(param, group, self._clip(param, grad), basis)
+            self.optimizer.apply_update(param, group, self._clip(param, grad), basis)
 
     def _clip(self, param: Tensor, grad: Tensor) -> Tensor:
         """``grad`` (of ``param``, this process's rows of it under FSDP2) scaled to a norm of at
         most ``max_grad_norm``; the norm is the whole tensor's."""
-        squared = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        sharding = self.optimizer._sharding(param)
-        if sharding is not None:
-            sharding.all_reduce(squared)
-        norm = squared.sqrt()
+        norm = self.optimizer.gradient_norm(param, grad)
         self._norms.append(norm)
         if self.max_grad_norm is None:
             return grad
@@ -254,9 +250,11 @@ class LayerwiseHandle:
         self._norms = []
         self.last_grad_norm = torch.stack(norms).square().sum().sqrt() if norms else None
         if self.scheduler is not None:
-            # Tell the scheduler the optimizer did step (it watches optimizer.step() for that).
-            self.optimizer._opt_called = True
-            self.scheduler.step()
+            # The optimizer did step, inside backward: the scheduler, which watches
+            # optimizer.step() for that, would warn that it is stepped first.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+                self.scheduler.step()
 
 
 def layerwise(
@@ -295,7 +293,7 @@ def layerwise(
         raise TypeError("ReduceLROnPlateau needs a metric: step it yourself, after evaluation")
     if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
         raise ValueError("scheduler must be a learning-rate scheduler of this optimizer")
-    if getattr(optimizer, "_layerwise", None) is not None:
+    if optimizer.layerwise_handle is not None:
         raise RuntimeError("this optimizer is already in layer-wise mode; remove() the first handle")
     _check_gradients_are_averaged(optimizer)
     return LayerwiseHandle(optimizer, accumulation_steps, max_grad_norm, scheduler, refresh_from)

@@ -74,7 +74,7 @@ def from_torch_adam(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> d
         unknown = set(saved_state) - TORCH_ADAM_STATE_KEYS
         if unknown:
             raise ValueError(f"parameter {ordinal}: unknown Adam state {', '.join(sorted(unknown))}")
-        if optimizer._projects(param, current) and "exp_avg" in saved_state:
+        if optimizer.projects(param, current) and "exp_avg" in saved_state:
             raise ValueError(
                 f"parameter {ordinal} {tuple(param.shape)} is projected (rank={current['rank']}): "
                 "full-size Adam moments have no exact counterpart in its rank-r subspace; load this "
@@ -163,7 +163,7 @@ def restore_storage(optimizer: GaLoreOptimizer, storage: list[dict[str, Any]]) -
         contents = {}
         for param in group["params"]:
             if param in optimizer.state:
-                basis = optimizer._basis(param, group) if optimizer._projects(param, group) else None
+                basis = optimizer.basis(param, group) if optimizer.projects(param, group) else None
                 contents[param] = (optimizer.decoded_state(param), basis)
         group.update(wanted)
         for param, (moments, basis) in contents.items():

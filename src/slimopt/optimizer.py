@@ -7,6 +7,11 @@ and encodes them again. A param group is projected
 iff it has a ``rank`` key (galore-torch's convention); its parameters with two or more
 dimensions are projected (conv kernels are flattened to ``shape[0] × rest``), 1-D ones get the
 plain rule. All arithmetic is fp32 whatever the parameter dtype.
+
+What ``step()`` does for one parameter is a small public API (``update``, or its pieces
+``gradient_in_space`` and ``apply_update``, with ``projects``, ``needs_whole_gradient``,
+``refreshed_basis``, ``basis`` and ``gradient_norm``): ``slimopt.layerwise`` calls the same
+methods from its hooks, one parameter at a time.
 """
 
 from __future__ import annotations
@@ -312,20 +317,51 @@ class GaLoreOptimizer(Optimizer):
         self._ordinals = None
         loading.restore_storage(self, storage)
 
-    def _update(self, param: Tensor, group: dict[str, Any]) -> None:
-        prepared = self._gradient_in_space(param, group, local_view(param.grad))
-        if prepared is not None:
-            self._apply_update(param, group, *prepared)
+    # The per-parameter API: what step() does for one parameter, in the pieces a caller that
+    # updates parameters one at a time needs (slimopt.layerwise does so inside backward). Each
+    # takes the parameter and its param group; gradients are this process's values (the local
+    # rows of an FSDP2 DTensor).
 
-    def _projects(self, param: Tensor, group: dict[str, Any]) -> bool:
+    def update(self, param: Tensor, group: dict[str, Any], grad: Tensor) -> None:
+        """One step of ``param`` from its gradient ``grad``: refresh and project if due, run the
+        rule, update the weights (what ``step()`` does for each parameter with a gradient)."""
+        prepared = self.gradient_in_space(param, group, grad)
+        if prepared is not None:
+            self.apply_update(param, group, *prepared)
+
+    def _update(self, param: Tensor, group: dict[str, Any]) -> None:
+        self.update(param, group, local_view(param.grad))
+
+    def projects(self, param: Tensor, group: dict[str, Any]) -> bool:
+        """Whether ``param`` is projected (a non-empty tensor of two or more dimensions in a
+        group with ``rank``)."""
         return _projected(param, group)
 
-    def _needs_full_gradient(self, param: Tensor, group: dict[str, Any]) -> bool:
+    def gradient_norm(self, param: Tensor, grad: Tensor) -> Tensor:
+        """The fp32 norm of the whole of ``param``'s gradient, of which ``grad`` is this
+        process's part (all-reduced over the processes that hold the rest, under FSDP2)."""
+        squared = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        sharding = self._sharding(param)
+        if sharding is not None:
+            sharding.all_reduce(squared)
+        return squared.sqrt()
+
+    @property
+    def layerwise_handle(self) -> Any:
+        """The active ``slimopt.layerwise`` handle, or None."""
+        return self._layerwise
+
+    def attach_layerwise(self, handle: Any) -> None:
+        """Route ``step()`` and ``state_dict()`` through a ``slimopt.layerwise`` handle (None:
+        back to normal stepping); the handle calls this itself."""
+        self._layerwise = handle
+
+    def needs_whole_gradient(self, param: Tensor, group: dict[str, Any]) -> bool:
         """Whether this step of ``param`` needs its whole gradient: it is not projected, or its
         basis is refreshed from this step's gradient."""
-        return not self._projects(param, group) or self._refresh_due(self.state[param], group)
+        return not self.projects(param, group) or self._refresh_due(self.state[param], group)
 
-    def _basis(self, param: Tensor, group: dict[str, Any]) -> Basis | None:
+    def basis(self, param: Tensor, group: dict[str, Any]) -> Basis | None:
         """The fp32 basis of a projected ``param`` (decoded from its storage), or None."""
         state = self.state[param]
         factors = []
@@ -354,7 +390,7 @@ class GaLoreOptimizer(Optimizer):
                 for part, stored in codec.encode(factor, generator).items():
                     state[state_key(key, part)] = stored
 
-    def _gradient_in_space(
+    def gradient_in_space(
         self, param: Tensor, group: dict[str, Any], grad: Tensor
     ) -> tuple[Tensor, Basis | None] | None:
         """The gradient the rule sees and the basis it lives in (None: unprojected).
@@ -368,15 +404,15 @@ class GaLoreOptimizer(Optimizer):
         state = self.state[param]
         if not state:
             self._init_state(param, group, state)
-        if not self._projects(param, group):
+        if not self.projects(param, group):
             return _real(grad), None
-        basis = self._refreshed_basis(param, group, grad)
+        basis = self.refreshed_basis(param, group, grad)
         if basis is None:
             self._skip(param, state, "no projection basis could be computed yet")
             return None
         return project(_as_matrix(grad), basis), basis
 
-    def _refreshed_basis(self, param: Tensor, group: dict[str, Any], grad: Tensor) -> Basis | None:
+    def refreshed_basis(self, param: Tensor, group: dict[str, Any], grad: Tensor) -> Basis | None:
         """The basis of a projected ``param`` for this step, refreshed from ``grad`` first when
         its refresh is due (None: no basis could be computed yet)."""
         state = self.state[param]
@@ -384,9 +420,9 @@ class GaLoreOptimizer(Optimizer):
             self._init_state(param, group, state)
         if self._refresh_due(state, group):
             self._refresh(param, _as_matrix(grad).float(), state, group)
-        return self._basis(param, group)
+        return self.basis(param, group)
 
-    def _apply_update(self, param: Tensor, group: dict[str, Any], grad: Tensor, basis: Basis | None) -> None:
+    def apply_update(self, param: Tensor, group: dict[str, Any], grad: Tensor, basis: Basis | None) -> None:
         """Run the rule on ``grad`` (already in the basis' space) and update ``param``."""
         state = self.state[param]
         if not self._agreed(param, _all_finite(grad)):
@@ -473,7 +509,7 @@ class GaLoreOptimizer(Optimizer):
         """Whether an update of ``param`` (and its moments' storage) goes by slices of rows;
         ``shape``: the values' shape, if not this process's (a saved shard's)."""
         shape = _values(param).shape if shape is None else shape
-        return not self._projects(param, group) and self.rule.elementwise and sliced(shape)
+        return not self.projects(param, group) and self.rule.elementwise and sliced(shape)
 
     def _apply_by_row_slices(self, param: Tensor, group: dict[str, Any], grad: Tensor) -> None:
         """An elementwise rule on a large unprojected matrix, one slice of rows at a time; its
@@ -552,8 +588,8 @@ class GaLoreOptimizer(Optimizer):
         if "moment_step" not in state:
             return {}
         moment_parts = set()
-        if self._projects(param, group):
-            shape = projected_shape(matrix_shape(values), self._basis(param, group))
+        if self.projects(param, group):
+            shape = projected_shape(matrix_shape(values), self.basis(param, group))
         else:
             shape = values
         if self._by_row_slices(param, group, values):
@@ -612,7 +648,7 @@ class GaLoreOptimizer(Optimizer):
         state["step"] = 0
         state["nonfinite_skips"] = 0
         state["seed"] = ordinal
-        if self._projects(param, group):
+        if self.projects(param, group):
             gap = group["update_proj_gap"]
             state["refresh_offset"] = (projected_ordinal * gap) // projected_count if group["stagger"] else 0
 
@@ -641,7 +677,7 @@ class GaLoreOptimizer(Optimizer):
     def _refresh(self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         """Replace the basis of ``param``; when the gradient is non-finite or all zero, or the
         decomposition fails, keep the old one and warn."""
-        old = self._basis(param, group)
+        old = self.basis(param, group)
         has_old = old is not None
         if not self._agreed(param, _all_finite(grad)):
             self._warn(param, state, "non-finite gradient at a projection refresh; keeping the old basis")

@@ -301,7 +301,7 @@ def _run(
     tracker.adopt(weights)
     workspace = {"refresh": 0, "update": 0}
     _watch(optimizer, "_refresh", tracker, workspace, "refresh")
-    _watch(optimizer, "_apply_update", tracker, workspace, "update")
+    _watch(optimizer, "apply_update", tracker, workspace, "update")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
