@@ -211,6 +211,7 @@ def test_clipping_bounds_what_the_rule_sees_under_projection(shakespeare_tokens)
     assert max(first_moment_norms(0.5)) <= 0.5 * (1 + 1e-5)
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # and never warns that it steps before the optimizer
 def test_schedule_steps_once_per_optimizer_step(shakespeare_tokens):
     def schedule(step):
         return 1.0 / (1 + step)

@@ -44,6 +44,7 @@ its buckets whatever the optimizer does, so layer-wise mode refuses to start the
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -253,7 +254,9 @@ class LayerwiseHandle:
             # The optimizer did step, inside backward: the scheduler, which watches
             # optimizer.step() for that, would warn that it is stepped first.
             with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+                warnings.filterwarnings(
+                    "ignore", message=re.escape("Detected call of `lr_scheduler.step()` before")
+                )
                 self.scheduler.step()
 
 
