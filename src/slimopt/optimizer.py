@@ -41,6 +41,7 @@ from slimopt.projection import (
     PROJ_METHODS,
     PROJ_TYPES,
     Basis,
+    add_projected_back,
     compute_basis,
     project,
     project_back,
@@ -453,8 +454,9 @@ class GaLoreOptimizer(Optimizer):
                     return
                 direction = self._fused_step(group, grad, codecs, stored, age, lr, None).view(grad.shape)
                 for _, rows in slices_to_update(*weights.shape, meta=False):
-                    update = project_back(direction, basis, rows)
-                    _update_weights(weights[rows], update, lr, group["scale"], group["weight_decay"])
+                    _update_weights_projected(
+                        weights, direction, basis, rows, lr, group["scale"], group["weight_decay"]
+                    )
             return
         moments = self._decode_all(state, group, grad.shape, layout)
         direction = self.rule.direction(grad, {**state, **moments}, age, group)
@@ -469,8 +471,9 @@ class GaLoreOptimizer(Optimizer):
                 return
             # Back-projected a slice of rows at a time: no full-size fp32 update of a large matrix.
             for _, rows in slices_to_update(*weights.shape, meta=weights.is_meta):
-                update = project_back(direction, basis, rows)
-                _update_weights(weights[rows], update, lr, group["scale"], decay, rounding)
+                _update_weights_projected(
+                    weights, direction, basis, rows, lr, group["scale"], decay, rounding
+                )
 
     def _moment_codecs(self, group: dict[str, Any], layout: torch.Size) -> dict[str, Any]:
         return {
@@ -891,6 +894,31 @@ def _update_weights(
         weights.copy_(round_to_bf16_stochastically(target, generator))
     else:
         weights.copy_(target)
+
+
+def _update_weights_projected(
+    weights: Tensor,
+    direction: Tensor,
+    basis: Basis,
+    rows: slice,
+    lr: float | Tensor,
+    scale: float,
+    weight_decay: float,
+    generator: torch.Generator | None = None,
+) -> None:
+    """``_update_weights`` of ``rows`` of a projected matrix, with the direction projected back
+    into them by one ``addmm_`` (no rows×n temporary); rounded once into bf16 ``weights``."""
+    part = weights[rows]
+    if isinstance(lr, Tensor):  # a step size on the device: addmm_ takes only numbers
+        _update_weights(part, project_back(direction, basis, rows), lr, scale, weight_decay, generator)
+        return
+    target = part if part.dtype == torch.float32 else part.float()
+    if weight_decay != 0:
+        target.mul_(1 - lr * weight_decay)
+    add_projected_back(target, direction, basis, rows, alpha=-lr * scale)
+    if target is part:
+        return
+    part.copy_(target if generator is None else round_to_bf16_stochastically(target, generator))
 
 
 def _stored_parts(state: dict[str, Any], key: str, parts: Iterable[str]) -> dict[str, Tensor]:

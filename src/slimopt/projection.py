@@ -98,6 +98,21 @@ def project_back(update: Tensor, basis: Basis, rows: slice = slice(None)) -> Ten
     return update[rows] @ basis.right
 
 
+def add_projected_back(target: Tensor, update: Tensor, basis: Basis, rows: slice, alpha: float) -> None:
+    """``target += alpha · project_back(update, basis, rows)`` (``target`` is those rows), as one
+    ``addmm_``: no temporary of the target's size. Written as ``addmm_`` and not as
+    ``target.add_(a @ b, alpha=…)``, which Inductor on the CPU compiles wrongly (torch.compile of
+    a training step that includes the optimizer's; tests/test_projection.py keeps the check)."""
+    if basis.left is not None:
+        left = basis.left[rows]
+        if basis.right is not None:
+            target.addmm_(left @ update, basis.right, alpha=alpha)
+        else:
+            target.addmm_(left, update, alpha=alpha)
+        return
+    target.addmm_(update[rows], basis.right, alpha=alpha)
+
+
 def rotate(moment: Tensor, old: Basis, new: Basis, *, squared: bool) -> Tensor:
     """Re-express a moment stored in ``old``'s coordinates in ``new``'s.
 
