@@ -264,11 +264,59 @@ class GaLoreOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._update(param, group)
+        # Whether each gradient is finite is decided for all parameters at once (one read on
+        # the host, and under FSDP2 one all-reduce per process group), not one by one.
+        pending = [
+            (p, g, local_view(p.grad)) for g in self.param_groups for p in g["params"] if p.grad is not None
+        ]
+        votes = self._finite_votes([(p, grad) for p, _, grad in pending])
+        ready = []
+        for (param, group, grad), finite in zip(pending, votes, strict=True):
+            state = self.state[param]
+            if not state:
+                self._init_state(param, group, state)
+            if not finite:
+                self._skip(param, state, "non-finite gradient")
+                continue
+            prepared = self.gradient_in_space(param, group, grad)
+            if prepared is not None:
+                ready.append((param, group, *prepared))
+        # A finite gradient can overflow when projected: projected ones are voted on again.
+        projected = [(param, grad) for param, _, grad, basis in ready if basis is not None]
+        overflowed = {
+            id(p) for (p, _), ok in zip(projected, self._finite_votes(projected), strict=True) if not ok
+        }
+        for param, group, grad, basis in ready:
+            self.apply_update(param, group, grad, basis, finite=id(param) not in overflowed)
         return loss
+
+    def _finite_votes(self, entries: list[tuple[Tensor, Tensor]]) -> list[bool]:
+        """For each (parameter, gradient), whether the gradient is finite, agreed on by every
+        process holding a shard of the parameter. One multi-tensor norm per device and dtype
+        and one host read; a norm that overflowed is settled by the exact test."""
+        votes = [True] * len(entries)
+        kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for index, (_, grad) in enumerate(entries):
+            if not grad.is_meta and grad.numel() and not grad.is_sparse:
+                kinds.setdefault((grad.device, grad.dtype), []).append(index)
+            elif grad.is_sparse:
+                votes[index] = _all_finite(grad)
+        for indices in kinds.values():
+            tensors = [_real(entries[i][1]) for i in indices]
+            norms = torch.stack(torch._foreach_norm(tensors)).isfinite().tolist()
+            for i, tensor, quick in zip(indices, tensors, norms, strict=True):
+                votes[i] = quick or bool(torch.isfinite(tensor).all())
+        groups: dict[Any, list[int]] = {}
+        for index, (param, _) in enumerate(entries):
+            sharding = self._sharding(param)
+            if sharding is not None:
+                groups.setdefault(sharding.group, []).append(index)
+        for group, indices in groups.items():
+            flags = torch.tensor([int(votes[i]) for i in indices], dtype=torch.int64)
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=group)
+            for i, agreed in zip(indices, flags.tolist(), strict=True):
+                votes[i] = bool(agreed)
+        return votes
 
     def state_dict(self) -> dict[str, Any]:
         """The ``torch.optim`` state dict; raises ``RuntimeError`` halfway through a layer-wise
@@ -423,10 +471,21 @@ class GaLoreOptimizer(Optimizer):
             self._refresh(param, _as_matrix(grad).float(), state, group)
         return self.basis(param, group)
 
-    def apply_update(self, param: Tensor, group: dict[str, Any], grad: Tensor, basis: Basis | None) -> None:
-        """Run the rule on ``grad`` (already in the basis' space) and update ``param``."""
+    def apply_update(
+        self,
+        param: Tensor,
+        group: dict[str, Any],
+        grad: Tensor,
+        basis: Basis | None,
+        finite: bool | None = None,
+    ) -> None:
+        """Run the rule on ``grad`` (already in the basis' space) and update ``param``; skip the
+        update when ``grad`` is not finite (``finite``: already decided by the caller, as
+        ``step()`` does for all parameters at once; None: decided here)."""
         state = self.state[param]
-        if not self._agreed(param, _all_finite(grad)):
+        if finite is None:
+            finite = self._agreed(param, _all_finite(grad))
+        if not finite:
             self._skip(param, state, "non-finite gradient")
             return
         if self._by_row_slices(param, group):
