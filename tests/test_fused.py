@@ -198,3 +198,10 @@ def test_hyperparameters_are_rounded_once_from_double() -> None:
     hyper = kernels.hyperparameters(1e-3, (0.9, 0.999), 1e-8, 0.1, 3, 0.25, "cpu")
     expected = [0.1, 0.999, 0.001, 1e-8, 1 - 0.9**3, math.sqrt(1 - 0.999**3), 1 - 1e-4, -2.5e-4]
     assert hyper.tolist() == torch.tensor(expected, dtype=torch.float32).tolist()
+
+
+def test_fused_true_without_a_compiler_is_refused(monkeypatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ValueError, match=r"torch\.compile needs a C\+\+ compiler for the CPU"):
+        slimopt.AdamW8bit([torch.nn.Parameter(torch.randn(64, 64))], lr=1e-3, fused=True)

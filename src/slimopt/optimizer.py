@@ -142,9 +142,10 @@ class GaLoreOptimizer(Optimizer):
         if choice is not True:
             return []
         reasons = {reason for p in group["params"] if (reason := kernels.unsupported(self.rule, group, p))}
-        compiler = kernels.compiler_error()
-        if compiler:
-            reasons.add(compiler)
+        for device_type in {p.device.type for p in group["params"] if not p.is_meta}:
+            compiler = kernels.compiler_error(device_type)
+            if compiler:
+                reasons.add(compiler)
         return [f"fused=True: {reason}; use fused=None (auto) or False" for reason in sorted(reasons)]
 
     def _fused(self, param: Tensor, group: dict[str, Any]) -> bool:
@@ -155,7 +156,7 @@ class GaLoreOptimizer(Optimizer):
             return False
         if choice is True:
             return True
-        auto = param.device.type == "cuda" and kernels.compiler_error() is None
+        auto = param.device.type == "cuda" and kernels.compiler_error("cuda") is None
         return auto and kernels.unsupported(self.rule, group, param) is None
 
     @property

@@ -17,6 +17,9 @@ differently, Adafactor, complex parameters.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,22 +80,28 @@ def unsupported(rule: Any, group: dict[str, Any], param: Tensor) -> str | None:
     return None
 
 
-def compiler_error() -> str | None:
-    """Why ``torch.compile`` cannot build the fused step here, or None."""
-    if not hasattr(torch, "compile"):
-        return f"torch {torch.__version__} has no torch.compile"
+def compiler_error(device_type: str) -> str | None:
+    """Why ``torch.compile`` cannot build the fused step for ``device_type`` here, or None: it
+    needs a C++ compiler for the CPU and Triton for CUDA."""
     if not torch._dynamo.is_dynamo_supported():
         return "torch.compile is not supported on this Python"
+    if device_type == "cuda" and importlib.util.find_spec("triton") is None:
+        return "torch.compile needs Triton for CUDA, and it is not installed"
+    if device_type == "cpu" and not any(
+        shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++") if c
+    ):
+        return "torch.compile needs a C++ compiler for the CPU (g++ or clang++), and none is on PATH"
     return None
 
 
+# Both moments' stored parts by name, their storages, and their lookup tables (empty for fp32).
+Moments = tuple[dict[str, Tensor], dict[str, Tensor]]
+Storages = tuple[Storage, Storage]
+Tables = tuple[tuple[Tensor, ...], tuple[Tensor, ...]]
+
+
 def adamw_step(
-    grad: Tensor,
-    moments: tuple[dict[str, Tensor], dict[str, Tensor]],
-    storages: tuple[Storage, Storage],
-    tables: tuple[tuple[Tensor, ...], tuple[Tensor, ...]],
-    hyper: Tensor,
-    weights: Tensor | None,
+    grad: Tensor, moments: Moments, storages: Storages, tables: Tables, hyper: Tensor, weights: Tensor | None
 ) -> Tensor | None:
     """One AdamW step of a flat fp32 ``grad``: both moments (stored parts by name, updated in
     place) and, with ``weights`` (flat, fp32 or bf16, updated in place), the parameter; without,
@@ -140,14 +149,9 @@ def _compiled() -> Any:
 
 
 def _adamw_step(
-    grad: Tensor,
-    moments: tuple[dict[str, Tensor], dict[str, Tensor]],
-    storages: tuple[Storage, Storage],
-    tables: tuple[tuple[Tensor, ...], tuple[Tensor, ...]],
-    hyper: Tensor,
-    weights: Tensor | None,
+    grad: Tensor, moments: Moments, storages: Storages, tables: Tables, hyper: Tensor, weights: Tensor | None
 ) -> Tensor | None:
-    keep1, beta2, keep2, eps, correction1, correction2_sqrt, decay, alpha = hyper.unbind()
+    new1, beta2, new2, eps, correction1, correction2_sqrt, decay, alpha = hyper.unbind()
     numel = grad.numel()
     (m_parts, v_parts), (m_store, v_store) = moments, storages
     block = m_store.block_size  # both moments of a tensor are stored alike (fp32, or blocks of one size)
@@ -159,8 +163,8 @@ def _adamw_step(
     exp_avg = _decode(m_parts, m_store, tables[0])
     exp_avg_sq = _decode(v_parts, v_store, tables[1])
     # The reference rule's operations, in its order (slimopt.rules.adamw).
-    exp_avg = torch.lerp(exp_avg, grad, keep1)
-    exp_avg_sq = exp_avg_sq * beta2 + keep2 * grad * grad
+    exp_avg = torch.lerp(exp_avg, grad, new1)  # new1, new2: the weights of the new gradient
+    exp_avg_sq = exp_avg_sq * beta2 + new2 * grad * grad
     direction = exp_avg / (exp_avg_sq.sqrt() / correction2_sqrt + eps) / correction1
     if block and padding:
         # The reference encodes the moment padded with zeros; a decoded padding need not be zero
