@@ -476,3 +476,23 @@ def test_bench_times_slimopt_beside_the_references(tmp_path: Path, capsys) -> No
     assert "unknown optimizer 'adam_w' for slimopt bench; valid: adamw," in capsys.readouterr().err
     assert main(["bench", "--steps", "0"]) == 2
     assert "--steps must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_fused_flag_reaches_the_optimizer(workspace: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "fused"
+    assert (
+        main(["train", "--optimizer", "adamw8bit", "--steps", "2", "--fused", *run_args(workspace, out)]) == 0
+    )
+    assert "with adamw8bit (fused step) on cpu" in capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["optimizer_options"] == {"fused": True}
+    argv = [
+        "train",
+        "--optimizer",
+        "adamw_ternary",
+        "--steps",
+        "2",
+        "--fused",
+        *run_args(workspace, tmp_path / "t"),
+    ]
+    assert main(argv) == 2
+    assert "fused=True: states='ternary' draws random numbers" in capsys.readouterr().err

@@ -126,7 +126,7 @@ def test_resume_from_checkpoint_restores_the_optimizer_exactly(shakespeare_token
 
 def test_optim_args_are_typed_and_bad_ones_are_named() -> None:
     parsed = parse_optim_args(
-        "rank=128, update_proj_gap=200,scale=0.25,proj_type=std,states=int8,stagger=false"
+        "rank=128, update_proj_gap=200,scale=0.25,proj_type=std,states=int8,stagger=false,fused=true"
     )
     assert parsed == {
         "rank": 128,
@@ -135,6 +135,7 @@ def test_optim_args_are_typed_and_bad_ones_are_named() -> None:
         "proj_type": "std",
         "states": "int8",
         "stagger": False,
+        "fused": True,
     }
     assert parse_optim_args(None) == {} and parse_optim_args("") == {}
     with pytest.raises(ValueError, match="unknown optim_args key 'ranks'; valid: rank, update_proj_gap"):

@@ -39,6 +39,7 @@ OPTION_TYPES: dict[str, type] = {
     "states": str,
     "block_size": int,
     "param_rounding": str,
+    "fused": bool,
 }
 
 

@@ -320,9 +320,11 @@ def _train(config: TrainConfig, parallel: Parallel, progress: bool, label: str |
     where = str(device)
     if parallel.strategy is not None:
         where = f"{parallel.world} processes ({parallel.strategy}, {device.type})"
+    paths = getattr(getattr(optimizer, "optim", optimizer), "fused_path", [])
+    fused = " (fused step)" if paths and all(path == "fused" for path in paths) else ""
     say(
         f"training {config.model} ({_count(parameters)} parameters) with {config.optimizer}"
-        f"{_rank_note(optimizer, config)}{note} on {where}; run directory {out}"
+        f"{_rank_note(optimizer, config)}{note}{fused} on {where}; run directory {out}"
     )
 
     def save(step: int) -> Path:
