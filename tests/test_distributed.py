@@ -90,6 +90,9 @@ def _worker(rank: int, port: int, strategy: str, out: str) -> None:
             results["split_after_construction"] = _split_after_construction("right")
             for name in ("adamw", "galore_adamw"):
                 results[f"{name}.layerwise"] = _fsdp2_layerwise_against_stepping(name, rank)
+                results[f"{name}.layerwise_no_sync"] = _fsdp2_layerwise_against_stepping(
+                    name, rank, no_sync=True
+                )
         if strategy == "ddp":
             results["layerwise_refusal"] = _ddp_layerwise_refusal()
             results["spread"] = _train_distributed("ddp_spread", "galore_adamw", rank)
@@ -115,17 +118,23 @@ def _fully_sharded_model() -> torch.nn.Module:
 ACCUMULATION, CLIP = 2, 0.5
 
 
-def _fsdp2_layerwise_against_stepping(name: str, rank: int) -> list[float]:
+def _fsdp2_layerwise_against_stepping(name: str, rank: int, no_sync: bool = False) -> list[float]:
     """FSDP2 with 2 micro-batches per step and per-tensor clipping, stepped as usual and
     layer-wise; the largest relative distance of a parameter between the two runs, and whether
-    every gradient was freed inside backward."""
+    every gradient was freed inside backward. With ``no_sync`` the first micro-batch skips the
+    reduce-scatter (``set_requires_gradient_sync(False)``): FSDP2 accumulates the unsharded
+    gradient itself and the hooks fire once, after the second, so layer-wise mode counts one
+    micro-batch per step."""
     runs = []
     for layer_wise in (False, True):
         model = _fully_sharded_model()
         optimizer = _optimizer(model, name)
-        handle = slimopt.layerwise(optimizer, ACCUMULATION, max_grad_norm=CLIP) if layer_wise else None
+        steps_per_update = 1 if no_sync else ACCUMULATION
+        handle = slimopt.layerwise(optimizer, steps_per_update, max_grad_norm=CLIP) if layer_wise else None
         for step in range(STEPS):
             for micro in range(ACCUMULATION):
+                if no_sync:
+                    model.set_requires_gradient_sync(micro == ACCUMULATION - 1)
                 batch = _batch(STEPS * micro + step)[rank::WORLD]
                 (model(input_ids=batch, labels=batch).loss / ACCUMULATION).backward()
             if handle is None:
@@ -379,6 +388,9 @@ def test_distributed_training_equals_one_process(strategy, references, tmp_path)
         for name, bound in (("adamw", 0.0), ("galore_adamw", 1e-5)):
             distance, freed = ranks[0][f"{name}.layerwise"]
             assert distance <= bound and freed == 1.0, (name, distance)
+            # No-sync micro-batches: FSDP2 sums the gradient, the hooks see it once: the same sums.
+            distance, freed = ranks[0][f"{name}.layerwise_no_sync"]
+            assert distance == 0.0 and freed == 1.0, (name, distance)
         # one line each, at construction, saying what to change
         left, svd, adafactor, split_later = ranks[0]["refusals"]
         # Parameters split after the optimizer was built: checked at their first step, and with

@@ -37,7 +37,9 @@ exist at the same time:
 **Multi-process runs.** Under FSDP2 (``fully_shard``) a parameter's hook fires after the
 reduce-scatter, with this process's rows of the averaged gradient: each process updates its own
 rows, and what must be agreed on (a per-tensor clipping norm, a refresh's sketches, a skipped
-step) is all-reduced within the hook, so the run equals stepping FSDP2 and one process. Under DDP
+step) is all-reduced within the hook, so the run equals stepping FSDP2 and one process. With
+no-sync micro-batches (``set_requires_gradient_sync(False)``) FSDP2 sums the gradient itself and
+the hooks fire once per step: use ``accumulation_steps=1`` then. Under DDP
 a hook sees the process's own gradient before DDP averages it, and DDP keeps every gradient in
 its buckets whatever the optimizer does, so layer-wise mode refuses to start there (use FSDP2).
 """
