@@ -205,3 +205,28 @@ def test_fused_true_without_a_compiler_is_refused(monkeypatch) -> None:
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(ValueError, match=r"torch\.compile needs a C\+\+ compiler for the CPU"):
         slimopt.AdamW8bit([torch.nn.Parameter(torch.randn(64, 64))], lr=1e-3, fused=True)
+
+
+def test_auto_mode_falls_back_to_the_reference_path_when_the_step_does_not_compile(monkeypatch) -> None:
+    """On a GPU whose Triton cannot build the step, fused=None trains on with the reference
+    path (and says so once); fused=True raises the compiler's error."""
+
+    def broken(*args, **kwargs):
+        raise kernels.CompileFailure(lambda: None, RuntimeError("triton: no kernel for this GPU"), None)
+
+    monkeypatch.setattr(kernels, "_auto_failure", [])
+    monkeypatch.setattr(kernels, "compiler_error", lambda device_type: None)
+    monkeypatch.setattr(kernels, "auto_available", lambda device_type: not kernels._auto_failure)
+    reference, _ = _run("adamw8bit", False)
+    monkeypatch.setattr(kernels, "adamw_step", broken)
+    with pytest.warns(
+        RuntimeWarning, match="the fused step did not compile .*; fused=None uses the reference path"
+    ):
+        auto, optimizer = _run("adamw8bit", None)
+    assert all(torch.equal(a, b) for a, b in zip(auto, reference, strict=True))
+    assert (
+        optimizer.fused_path[0]
+        == "reference (the fused step did not compile: triton: no kernel for this GPU)"
+    )
+    with pytest.raises(kernels.CompileFailure):
+        _run("adamw8bit", True)

@@ -57,6 +57,8 @@ UPDATE_STREAM, SUBSPACE_CHANGE_STREAM, LOAD_STREAM, BASIS_STREAM = 0, 1, 2, 3
 STREAM_STRIDE = 0x9E3779B9  # ⌊2³²/φ⌋, odd
 # The attribute a parameter carries its place in the whole model under (see _param_ordinals).
 IDENTITY = "_slimopt_identity"
+# What _fused_step returns when auto mode could not compile the fused step.
+NOT_COMPILED = object()
 # How a projection basis is stored: entries of orthonormal vectors lose little to 8 bits.
 BASIS_STATES = ("fp32", "bf16", "int8")
 BASIS_KEYS = ("basis_left", "basis_right")
@@ -156,8 +158,9 @@ class GaLoreOptimizer(Optimizer):
             return False
         if choice is True:
             return True
-        auto = param.device.type == "cuda" and kernels.compiler_error("cuda") is None
-        return auto and kernels.unsupported(self.rule, group, param) is None
+        return (
+            kernels.auto_available(param.device.type) and kernels.unsupported(self.rule, group, param) is None
+        )
 
     @property
     def fused_path(self) -> list[str]:
@@ -171,6 +174,8 @@ class GaLoreOptimizer(Optimizer):
                 paths.append("reference (fused=False)")
             else:
                 reasons = {kernels.unsupported(self.rule, group, p) for p in params} - {None}
+                if not reasons and kernels.auto_failure():
+                    reasons = {f"the fused step did not compile: {kernels.auto_failure()}"}
                 devices = {p.device.type for p in params}
                 why = (
                     "; ".join(sorted(reasons))
@@ -504,19 +509,7 @@ class GaLoreOptimizer(Optimizer):
                     state[key] = value
             state["moment_step"] = 0
         age = self._advance(state)
-        if self._fused(param, group):
-            with _matrix_of(param) as weights:
-                lr = self.rule.step_size(group, weights, state["step"])
-                codecs = self._moment_codecs(group, layout)
-                stored = {key: _stored_parts(state, key, codec.parts) for key, codec in codecs.items()}
-                if basis is None:  # moments and weights in one fused step
-                    self._fused_step(group, grad, codecs, stored, age, lr, weights)
-                    return
-                direction = self._fused_step(group, grad, codecs, stored, age, lr, None).view(grad.shape)
-                for _, rows in slices_to_update(*weights.shape, meta=False):
-                    _update_weights_projected(
-                        weights, direction, basis, rows, lr, group["scale"], group["weight_decay"]
-                    )
+        if self._fused(param, group) and self._fused_update(param, group, state, grad, basis, layout, age):
             return
         moments = self._decode_all(state, group, grad.shape, layout)
         direction = self.rule.direction(grad, {**state, **moments}, age, group)
@@ -534,6 +527,34 @@ class GaLoreOptimizer(Optimizer):
                 _update_weights_projected(
                     weights, direction, basis, rows, lr, group["scale"], decay, rounding
                 )
+
+    def _fused_update(
+        self,
+        param: Tensor,
+        group: dict[str, Any],
+        state: dict[str, Any],
+        grad: Tensor,
+        basis: Basis | None,
+        layout: torch.Size,
+        age: int,
+    ) -> bool:
+        """``apply_update``'s work through the fused step; False (nothing changed) when auto
+        mode could not compile it, so the reference path takes over."""
+        with _matrix_of(param) as weights:
+            lr = self.rule.step_size(group, weights, state["step"])
+            codecs = self._moment_codecs(group, layout)
+            stored = {key: _stored_parts(state, key, codec.parts) for key, codec in codecs.items()}
+            if basis is None:  # moments and weights in one fused step
+                return self._fused_step(group, grad, codecs, stored, age, lr, weights) is not NOT_COMPILED
+            direction = self._fused_step(group, grad, codecs, stored, age, lr, None)
+            if direction is NOT_COMPILED:
+                return False
+            direction = direction.view(grad.shape)
+            for _, rows in slices_to_update(*weights.shape, meta=False):
+                _update_weights_projected(
+                    weights, direction, basis, rows, lr, group["scale"], group["weight_decay"]
+                )
+        return True
 
     def _moment_codecs(self, group: dict[str, Any], layout: torch.Size) -> dict[str, Any]:
         return {
@@ -566,7 +587,22 @@ class GaLoreOptimizer(Optimizer):
         )
         flat = None if weights is None else weights.view(-1)
         parts = tuple(stored[key] for key in keys)
-        return kernels.adamw_step(grad.contiguous().view(-1), parts, storages, tables, hyper, flat)
+        try:
+            return kernels.adamw_step(grad.contiguous().view(-1), parts, storages, tables, hyper, flat)
+        except kernels.CompileFailure as error:
+            if group["fused"] is True:
+                raise
+            # Auto mode promised only the fastest exact path: the reference path is one.
+            cause = getattr(error, "inner_exception", error)
+            reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+            kernels.give_up_auto(reason)
+            warnings.warn(
+                f"slimopt: the fused step did not compile ({reason}); fused=None uses the reference path "
+                "from now on",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return NOT_COMPILED
 
     def _by_row_slices(self, param: Tensor, group: dict[str, Any], shape: torch.Size | None = None) -> bool:
         """Whether an update of ``param`` (and its moments' storage) goes by slices of rows;
@@ -602,8 +638,12 @@ class GaLoreOptimizer(Optimizer):
             if fused:
                 codecs = {key: storage.codecs[index][0] for key, storage in storages.items()}
                 parts = {key: storage.parts(stored[key], index) for key, storage in storages.items()}
-                self._fused_step(group, slice_grad, codecs, parts, age, lr, weights[rows])
-                continue
+                if (
+                    self._fused_step(group, slice_grad, codecs, parts, age, lr, weights[rows])
+                    is not NOT_COMPILED
+                ):
+                    continue
+                fused = False
             if first:
                 moments = self.rule.init_state(slice_grad, group, projected=False)
             else:

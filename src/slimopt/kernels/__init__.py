@@ -54,6 +54,28 @@ class Storage:
     zero_code: int = 0
 
 
+# What torch.compile raises when a backend (Inductor's C++ or Triton code) fails to build.
+CompileFailure = torch._dynamo.exc.BackendCompilerFailed
+# Why auto mode gave up the fused step in this process (a compile failure), or None.
+_auto_failure: list[str] = []
+
+
+def auto_available(device_type: str) -> bool:
+    """Whether ``fused=None`` takes the fused step on ``device_type``: on CUDA, with Triton, as
+    long as no fused step has failed to compile in this process."""
+    return device_type == "cuda" and not _auto_failure and compiler_error(device_type) is None
+
+
+def auto_failure() -> str | None:
+    """Why auto mode gave up the fused step in this process, or None."""
+    return _auto_failure[0] if _auto_failure else None
+
+
+def give_up_auto(reason: str) -> None:
+    """Stop taking the fused step in auto mode for the rest of the process (after ``reason``)."""
+    _auto_failure.append(reason)
+
+
 def storage_of(codec: Any) -> Storage | None:
     """The ``Storage`` of a codec the fused step handles, else None."""
     if isinstance(codec, Fp32Codec):
