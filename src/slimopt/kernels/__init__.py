@@ -54,10 +54,18 @@ class Storage:
     zero_code: int = 0
 
 
-# What torch.compile raises when a backend (Inductor's C++ or Triton code) fails to build.
-CompileFailure = torch._dynamo.exc.BackendCompilerFailed
 # Why auto mode gave up the fused step in this process (a compile failure), or None.
 _auto_failure: list[str] = []
+
+
+def __getattr__(name: str) -> Any:
+    # ``CompileFailure``: what torch.compile raises when a backend (Inductor's C++ or Triton
+    # code) fails to build. Looked up on use: importing torch._dynamo costs over a second.
+    if name == "CompileFailure":
+        import torch._dynamo.exc
+
+        return torch._dynamo.exc.BackendCompilerFailed
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def auto_available(device_type: str) -> bool:
