@@ -230,3 +230,22 @@ def test_auto_mode_falls_back_to_the_reference_path_when_the_step_does_not_compi
     )
     with pytest.raises(kernels.CompileFailure):
         _run("adamw8bit", True)
+
+
+def test_a_step_counted_by_live_bytes_leaves_the_next_ones_compiled() -> None:
+    """slimopt train counts the first steps' memory under a dispatch mode, where dynamo cannot
+    compile; had it tried, it would have run the step eagerly for the rest of the process."""
+    from torch.profiler import profile
+
+    from slimopt.memory import LiveBytes
+
+    weight = torch.nn.Parameter(torch.randn(256, 128))
+    optimizer = slimopt.AdamW8bit([weight], lr=1e-3, fused=True)
+    weight.grad = torch.randn_like(weight)
+    with LiveBytes() as tracker:
+        optimizer.step()
+    assert tracker.peak > 0
+    optimizer.step()
+    with profile() as prof:
+        optimizer.step()
+    assert any(event.name.startswith("Torch-Compiled Region") for event in prof.events())

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from slimopt.codecs.blockwise import LOOKUP_MASK, LOOKUP_SHIFT, BlockwiseCodec
 from slimopt.codecs.plain import FLOAT32_MAX, Fp32Codec
@@ -141,6 +142,11 @@ def adamw_step(
     constants, so the compiled step is built once. ``tables`` are each blockwise moment's map,
     midpoints and first codes (empty for fp32)."""
     flat = tuple({part: tensor.view(-1) for part, tensor in parts.items()} for parts in moments)
+    if is_in_torch_dispatch_mode(include_infra_modes=False):
+        # Under a mode that watches every operation (slimopt.memory.LiveBytes, counting a step's
+        # memory) dynamo cannot compile, and it would never try this function again: run it
+        # as it is, compiled the next time no mode watches.
+        return _adamw_step(grad, flat, storages, tables, hyper, weights)
     for tensor in (grad, weights, *(t for parts in flat for t in parts.values())):
         if tensor is not None and tensor.numel() > 1:
             torch._dynamo.mark_dynamic(tensor, 0)
