@@ -55,7 +55,7 @@ class Storage:
     zero_code: int = 0
 
 
-# Why auto mode gave up the fused step in this process (a compile failure), or None.
+# Why auto mode gave up the fused step in this process (a compile failure); empty while it has not.
 _auto_failure: list[str] = []
 
 
