@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from slimopt.codecs.blockwise import LOOKUP_MASK, LOOKUP_SHIFT, BlockwiseCodec
 from slimopt.codecs.plain import FLOAT32_MAX, Fp32Codec
+from slimopt.memory import untracked
 
 # What ``fused=`` accepts: None chooses the fused path where it exists and runs on CUDA.
 FUSED_CHOICES = (None, True, False)
@@ -164,8 +165,26 @@ def hyperparameters(
     device: Any,
 ) -> Tensor:
     """The step's scalars as one fp32 tensor on ``device``, each computed in double precision
-    and rounded once, as the reference path's Python floats are when an operation takes them."""
-    beta1, beta2 = betas
+    and rounded once, as the reference path's Python floats are when an operation takes them.
+    The tensor is shared by every parameter with the same scalars (read only): one host-to-device
+    copy per group and step, not one per parameter."""
+    beta1, beta2 = (float(beta) for beta in betas)
+    return _hyperparameters(
+        float(lr), beta1, beta2, float(eps), float(weight_decay), age, scale, torch.device(device)
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _hyperparameters(
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    age: int,
+    scale: float,
+    device: torch.device,
+) -> Tensor:
     values = [
         1 - beta1,
         beta2,
@@ -176,7 +195,8 @@ def hyperparameters(
         1 - lr * weight_decay,
         -lr * scale,
     ]
-    return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+    with untracked():  # a cache shared by the steps, not memory of one
+        return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
 
 
 @functools.cache
