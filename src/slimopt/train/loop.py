@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from slimopt.distributed import STRATEGIES, from_first, local_view
+from slimopt.distributed import STRATEGIES, barrier, from_first, local_view
 from slimopt.layerwise import check_refresh_from, layerwise
 from slimopt.memory import LiveBytes, state_nbytes, state_tensors
 from slimopt.registry import OPTIMIZERS, resolve_name
@@ -431,7 +431,7 @@ def _train(config: TrainConfig, parallel: Parallel, progress: bool, label: str |
     state_bytes = parallel.gather(state_nbytes(optimizer))
     peaks = parallel.gather(peak)
     if not parallel.main:
-        return from_first(None)
+        return _finished(None)
     history = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     evaluations = [r for r in history if "val_loss" in r]
     summary |= {
@@ -456,7 +456,15 @@ def _train(config: TrainConfig, parallel: Parallel, progress: bool, label: str |
             "peak_memory_bytes_per_process": peaks,
         }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    return from_first(summary)
+    return _finished(summary)
+
+
+def _finished(summary: dict[str, Any] | None) -> dict[str, Any]:
+    """The first process's summary on every process, once every process is done with its
+    collectives: none tears its process group down while another still uses it."""
+    summary = from_first(summary)
+    barrier()
+    return summary
 
 
 def _options_for(config: TrainConfig, parallel: Parallel) -> tuple[dict[str, Any], str]:
