@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from benchmarks.processes import free_port
 
 STRATEGIES = ("ddp", "zero1", "fsdp2")
 OPTIMIZERS = {"adamw": {}, "galore_adamw8bit": {"rank": 64, "proj_type": "right"}}
@@ -69,17 +70,11 @@ def _worker(
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def measure(strategy: str, name: str, options: dict, world: int, args) -> tuple[int, int]:
     """Process 0's (peak bytes, optimizer-state bytes) of two steps with optimizer ``name``
     (``options`` for ``build_optimizer``) in ``world`` processes."""
     with tempfile.TemporaryDirectory() as out:
-        arguments = (world, _free_port(), strategy, name, options, args, out)
+        arguments = (world, free_port(), strategy, name, options, args, out)
         mp.start_processes(_worker, args=arguments, nprocs=world, start_method="spawn")
         peak, state = torch.load(Path(out) / "rank0.pt").tolist()
     return peak, state

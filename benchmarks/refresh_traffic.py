@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import slimopt
+from benchmarks.processes import free_port
 
 WORLD = 2
 
@@ -83,10 +83,7 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=11008)
     parser.add_argument("--rank", type=int, default=1024)
     args = parser.parse_args()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(_worker, args=(port, args.rows, args.cols, args.rank), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), args.rows, args.cols, args.rank), nprocs=WORLD, join=True)
 
 
 if __name__ == "__main__":

@@ -18,22 +18,8 @@ import torch
 
 from benchmarks.refresh_speed import llama_parameters, timed
 from slimopt import build_optimizer
+from slimopt.train.bench import state_bytes
 from slimopt.train.models import LLAMA_PRESETS
-
-
-def stored_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of all state tensors; tensor subclasses (torchao) are counted by their inner tensors."""
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                continue
-            if hasattr(value, "__tensor_flatten__"):
-                names, _ = value.__tensor_flatten__()
-                total += sum(getattr(value, n).numel() * getattr(value, n).element_size() for n in names)
-            else:
-                total += value.numel() * value.element_size()
-    return total
 
 
 class _Params(torch.nn.Module):
@@ -100,7 +86,7 @@ def main() -> None:
         optimizer = make(model)
         optimizer.step()  # creates the state (and compiles, for torchao)
         seconds = timed(optimizer.step, args.device, args.repeats)
-        print(f"| {name} | {stored_bytes(optimizer) / count:.3f} | {seconds:.3f} |", flush=True)
+        print(f"| {name} | {state_bytes(optimizer) / count:.3f} | {seconds:.3f} |", flush=True)
         del model, optimizer
         gc.collect()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import slimopt
+from benchmarks.processes import free_port
 
 WORLD = 2
 STEPS = 6
@@ -66,12 +66,6 @@ def _parameters_and_bases(
         if "basis_right" in state:
             result[f"{key}.basis"] = state["basis_right"].clone()
     return result
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _worker(rank: int, port: int, strategy: str, out: str) -> None:
@@ -299,7 +293,7 @@ class CountGathers:
 def run_ranks(strategy: str, tmp_path: Path, timeout: float = 600) -> list[dict]:
     """Run ``_worker`` in WORLD fresh processes; their results, one dict per rank."""
     context = mp.start_processes(
-        _worker, args=(_free_port(), strategy, str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
+        _worker, args=(free_port(), strategy, str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + timeout
     try:

@@ -8,10 +8,10 @@ iff it has a ``rank`` key (galore-torch's convention); its parameters with two o
 dimensions are projected (conv kernels are flattened to ``shape[0] × rest``), 1-D ones get the
 plain rule. All arithmetic is fp32 whatever the parameter dtype.
 
-What ``step()`` does for one parameter is a small public API (``update``, or its pieces
-``gradient_in_space`` and ``apply_update``, with ``projects``, ``needs_whole_gradient``,
-``refreshed_basis``, ``basis`` and ``gradient_norm``): ``slimopt.layerwise`` calls the same
-methods from its hooks, one parameter at a time.
+What ``step()`` does for one parameter is a small public API (``gradient_in_space``, then
+``apply_update``, with ``projects``, ``needs_whole_gradient``, ``refreshed_basis``, ``basis`` and
+``gradient_norm``): ``slimopt.layerwise`` calls the same methods from its hooks, one parameter
+at a time.
 """
 
 from __future__ import annotations
@@ -377,16 +377,6 @@ class GaLoreOptimizer(Optimizer):
     # takes the parameter and its param group; gradients are this process's values (the local
     # rows of an FSDP2 DTensor).
 
-    def update(self, param: Tensor, group: dict[str, Any], grad: Tensor) -> None:
-        """One step of ``param`` from its gradient ``grad``: refresh and project if due, run the
-        rule, update the weights (what ``step()`` does for each parameter with a gradient)."""
-        prepared = self.gradient_in_space(param, group, grad)
-        if prepared is not None:
-            self.apply_update(param, group, *prepared)
-
-    def _update(self, param: Tensor, group: dict[str, Any]) -> None:
-        self.update(param, group, local_view(param.grad))
-
     def projects(self, param: Tensor, group: dict[str, Any]) -> bool:
         """Whether ``param`` is projected (a non-empty tensor of two or more dimensions in a
         group with ``rank``)."""
@@ -557,6 +547,7 @@ class GaLoreOptimizer(Optimizer):
         return True
 
     def _moment_codecs(self, group: dict[str, Any], layout: torch.Size) -> dict[str, Any]:
+        """The codec of each moment of the rule, by key, for storage chosen by ``layout``."""
         return {
             key: moment_codec(group["states"], kind, layout, group["block_size"])
             for key, kind in self.rule.moment_kinds.items()
@@ -703,8 +694,7 @@ class GaLoreOptimizer(Optimizer):
         else:
             layout = shape if rows is None else torch.Size((rows, *shape[1:]))
             moments = self._decode_all(state, group, shape, layout)
-            for key, kind in self.rule.moment_kinds.items():
-                codec = moment_codec(group["states"], kind, layout, group["block_size"])
+            for key, codec in self._moment_codecs(group, layout).items():
                 moment_parts |= {state_key(key, part) for part in codec.parts}
         for key, value in state.items():  # the rule's own statistics (Adafactor's factored ones)
             if isinstance(value, Tensor) and key not in moment_parts and key.split(".")[0] not in BASIS_KEYS:
@@ -850,8 +840,7 @@ class GaLoreOptimizer(Optimizer):
         """The fp32 value of every stored moment of the rule; ``shape`` is the moments' (local)
         shape, ``layout`` the shape the storage format is chosen by (``_layout``)."""
         moments = {}
-        for key, kind in self.rule.moment_kinds.items():
-            codec = moment_codec(group["states"], kind, layout, group["block_size"])
+        for key, codec in self._moment_codecs(group, layout).items():
             stored = {part: state.get(state_key(key, part)) for part in codec.parts}
             if all(value is not None for value in stored.values()):
                 moments[key] = codec.decode(stored, shape)

@@ -114,7 +114,7 @@ def bench(
                 "optimizer": name,
                 "step_seconds": statistics.median(step_seconds),
                 "optimizer_step_seconds": statistics.median(optimizer_seconds),
-                "state_bytes": _state_bytes(optimizer),
+                "state_bytes": state_bytes(optimizer),
                 "peak_memory_bytes": peak,
                 "fused_path": getattr(optimizer, "fused_path", None),
             }
@@ -203,7 +203,9 @@ def _state(optimizer: Any) -> list[torch.Tensor]:
     return tensors
 
 
-def _state_bytes(optimizer: Any) -> int:
+def state_bytes(optimizer: Any) -> int:
+    """Bytes of every state tensor of ``optimizer``, torchao's tensor subclasses counted by their
+    inner tensors and 0-d step counters left out."""
     return sum(t.numel() * t.element_size() for t in _state(optimizer))
 
 
