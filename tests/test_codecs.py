@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimopt.codecs import moment_codec
+from slimopt.codecs import moment_codec, ternary
 from slimopt.codecs.maps import dynamic_map, linear_map_without_zero
 
 SHAPE = torch.Size((96, 160))
@@ -197,7 +197,7 @@ def ema_through_ternary(round_to_nearest: bool, monkeypatch: pytest.MonkeyPatch)
     moved = torch.zeros(SHAPE, dtype=torch.bool)
     with monkeypatch.context() as patch:
         if round_to_nearest:  # every draw is 0.5: a value rounds away from 0 iff |x| > s/2
-            patch.setattr(torch, "rand", lambda shape, **kwargs: torch.full(shape, 0.5))
+            patch.setattr(ternary, "uniform", lambda seed, count: torch.full((count,), 0.5))
         for _ in range(200):
             moment = codec.decode(codec.encode(0.99 * moment + 0.01 * target, generator), SHAPE)
             exact = 0.99 * exact + 0.01 * target

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from slimopt.codecs.draws import draw_indices, random_words, stream_seed
+
 # Compressed codecs saturate infinite moments to this: a scale of inf would decode 0 · inf = NaN.
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -26,11 +28,18 @@ class Fp32Codec:
 
 def round_to_bf16_stochastically(value: Tensor, generator: torch.Generator | None) -> Tensor:
     """``value`` in bf16, rounded up or down with probabilities that make it unbiased: the 16
-    fp32 mantissa bits that bf16 drops are compared with 16 random bits."""
+    fp32 mantissa bits that bf16 drops are compared with 16 random bits (the next stream of
+    ``generator``, ``slimopt.codecs.draws``)."""
     bits = value.float().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, device=bits.device, dtype=torch.int32, generator=generator)
+    noise = bf16_rounding_noise(stream_seed(generator, bits.device), bits.numel()).view(bits.shape)
     rounded = (bits + noise).bitwise_and_(-65536)  # clear the low 16 bits
     return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+def bf16_rounding_noise(seed: Tensor, count: int) -> Tensor:
+    """The 16 random bits (int32) that draw i of stream ``seed`` adds below bf16's mantissa."""
+    words = random_words(seed, draw_indices(count, seed.device))
+    return words.bitwise_right_shift_(16).bitwise_and_(0xFFFF)
 
 
 class Bf16Codec:

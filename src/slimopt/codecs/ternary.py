@@ -3,7 +3,8 @@
 Writing is unbiased stochastic rounding: an element x with scale s >= |x| becomes sign(x)·s with
 probability |x|/s and 0 otherwise, so E[decode(encode(x))] = x. Round-to-nearest would freeze a
 moving average whose per-step change is below s/2 (the change would round away every step);
-stochastic rounding moves it by the right amount on average.
+stochastic rounding moves it by the right amount on average. Element i draws the i-th number of
+a counter-based stream (``slimopt.codecs.draws``), so a fused step draws the same.
 
 The rounding noise of an element grows with s/|x|, so the scale must follow the magnitudes
 closely. It is the product of
@@ -28,6 +29,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
+from slimopt.codecs.draws import stream_seed, uniform
 from slimopt.codecs.plain import FLOAT32_MAX
 from slimopt.codecs.rows import matrix_shape
 
@@ -116,7 +118,7 @@ def _exponent_scale(exponents: Tensor) -> Tensor:
 
 def _ternarize(normalized: Tensor, generator: torch.Generator | None) -> Tensor:
     """Stochastically round values in [-1, 1] to {-1, 0, +1}; pack five digits to a byte."""
-    draws = torch.rand(normalized.shape, device=normalized.device, generator=generator)
+    draws = uniform(stream_seed(generator, normalized.device), normalized.numel())
     # Digits 0, 1, 2 stand for -1, 0, +1.
     digits = torch.where(draws < normalized.abs(), normalized.sign(), 0.0).add_(1).to(torch.uint8)
     digits = _pad(digits, TRITS_PER_BYTE).view(-1, TRITS_PER_BYTE)
