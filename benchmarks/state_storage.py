@@ -55,13 +55,11 @@ def candidates(rank: int) -> dict[str, Callable[[torch.nn.Module], torch.optim.O
                 ("adamw8bit", "", {}),
                 ("adamw4bit", "", {}),
                 ("galore_adamw8bit", f"r{rank}", {"rank": rank, "update_proj_gap": 10**9}),
+                ("adamw_ternary", "", {}),
+                ("galore_adamw_ternary", f"r{rank}", {"rank": rank, "update_proj_gap": 10**9}),
             )
             for fused in (False, True)
         },
-        "slimopt adamw_ternary": lambda m: build_optimizer(m, "adamw_ternary", lr=1e-3),
-        f"slimopt galore_adamw_ternary r{rank}": lambda m: build_optimizer(
-            m, "galore_adamw_ternary", lr=1e-3, rank=rank, update_proj_gap=10**9
-        ),
     }
 
 

@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 
 from slimopt import kernels, loading
 from slimopt.codecs import STATE_FORMATS, moment_codec, state_key
+from slimopt.codecs.draws import stream_seed
 from slimopt.codecs.plain import round_to_bf16_stochastically
 from slimopt.codecs.rows import RowSlicedStorage, matrix_shape, row_sliced_storage, sliced, slices_to_update
 from slimopt.distributed import (
@@ -499,7 +500,9 @@ class GaLoreOptimizer(Optimizer):
                     state[key] = value
             state["moment_step"] = 0
         age = self._advance(state)
-        if self._fused(param, group) and self._fused_update(param, group, state, grad, basis, layout, age):
+        if self._fused(param, group) and self._fused_update(
+            param, group, state, grad, basis, layout, age, generator
+        ):
             return
         moments = self._decode_all(state, group, grad.shape, layout)
         direction = self.rule.direction(grad, {**state, **moments}, age, group)
@@ -527,6 +530,7 @@ class GaLoreOptimizer(Optimizer):
         basis: Basis | None,
         layout: torch.Size,
         age: int,
+        generator: torch.Generator | None,
     ) -> bool:
         """``apply_update``'s work through the fused step; False (nothing changed) when auto
         mode could not compile it, so the reference path takes over."""
@@ -534,15 +538,17 @@ class GaLoreOptimizer(Optimizer):
             lr = self.rule.step_size(group, weights, state["step"])
             codecs = self._moment_codecs(group, layout)
             stored = {key: _stored_parts(state, key, codec.parts) for key, codec in codecs.items()}
+            matrix = _as_matrix(grad)
             if basis is None:  # moments and weights in one fused step
-                return self._fused_step(group, grad, codecs, stored, age, lr, weights) is not NOT_COMPILED
-            direction = self._fused_step(group, grad, codecs, stored, age, lr, None)
+                done = self._fused_step(group, matrix, codecs, stored, age, lr, weights, generator)
+                return done is not NOT_COMPILED
+            direction = self._fused_step(group, matrix, codecs, stored, age, lr, None, generator)
             if direction is NOT_COMPILED:
                 return False
-            direction = direction.view(grad.shape)
+            rounding = generator if _rounds_stochastically(param, group) else None
             for _, rows in slices_to_update(*weights.shape, meta=False):
                 _update_weights_projected(
-                    weights, direction, basis, rows, lr, group["scale"], group["weight_decay"]
+                    weights, direction, basis, rows, lr, group["scale"], group["weight_decay"], rounding
                 )
         return True
 
@@ -562,24 +568,30 @@ class GaLoreOptimizer(Optimizer):
         age: int,
         lr: float,
         weights: Tensor | None,
+        generator: torch.Generator | None,
     ) -> Tensor | None:
-        """The rule's step through ``slimopt.kernels``: moments stored by ``codecs`` in
-        ``stored`` (updated in place) and ``weights`` (contiguous, updated in place), or, without
-        them, the direction returned."""
+        """The rule's step through ``slimopt.kernels`` on the matrix ``grad``: moments stored by
+        ``codecs`` in ``stored`` (updated in place) and ``weights`` (a contiguous matrix, updated
+        in place), or, without them, the direction returned. Stochastic roundings draw from
+        ``generator`` in the reference path's order: the moments', then the weights'."""
         device = grad.device
         keys = list(self.rule.moment_kinds)
         storages = tuple(kernels.storage_of(codecs[key]) for key in keys)
         tables = tuple(
-            codecs[key].tables(device) if storages[i].block_size else () for i, key in enumerate(keys)
+            codecs[key].tables(device) if storage.kind == "blockwise" else ()
+            for key, storage in zip(keys, storages, strict=True)
         )
         scale = 1.0 if weights is not None else group["scale"]
         hyper = kernels.hyperparameters(
             lr, group["betas"], group["eps"], group["weight_decay"], age, scale, device
         )
-        flat = None if weights is None else weights.view(-1)
+        draws = sum(storage.stochastic for storage in storages)
+        if weights is not None and weights.dtype == torch.bfloat16:
+            draws += group["param_rounding"] == "stochastic"
+        seeds = tuple(stream_seed(generator, device) for _ in range(draws))
         parts = tuple(stored[key] for key in keys)
         try:
-            return kernels.adamw_step(grad.contiguous().view(-1), parts, storages, tables, hyper, flat)
+            return kernels.adamw_step(grad.contiguous(), parts, storages, tables, hyper, weights, seeds)
         except kernels.CompileFailure as error:
             if group["fused"] is True:
                 raise
@@ -629,10 +641,8 @@ class GaLoreOptimizer(Optimizer):
             if fused:
                 codecs = {key: storage.codecs[index][0] for key, storage in storages.items()}
                 parts = {key: storage.parts(stored[key], index) for key, storage in storages.items()}
-                if (
-                    self._fused_step(group, slice_grad, codecs, parts, age, lr, weights[rows])
-                    is not NOT_COMPILED
-                ):
+                done = self._fused_step(group, slice_grad, codecs, parts, age, lr, weights[rows], generator)
+                if done is not NOT_COMPILED:
                     continue
                 fused = False
             if first:

@@ -8,10 +8,11 @@ OpenMP on the CPU, Triton kernels on CUDA. The reference path stays the definiti
 gives the same codes for the same fp32 values and parameters within fp32 round-off (the fused
 loops may contract a multiply and an add into one rounding).
 
-Covered: the AdamW rule with fp32, int8 and int4 states (deterministic formats), fp32 or bf16
-parameters rounded to nearest. Not covered (``unsupported`` says why): bf16 and ternary states
-and stochastic rounding of parameters, which draw random numbers the fused loops would draw
-differently, Adafactor, complex parameters.
+Covered: the AdamW rule with every storage format (``formats``), fp32 or bf16 parameters rounded
+to nearest or stochastically. Stochastic roundings draw from counter-based streams
+(``slimopt.codecs.draws``) seeded as the reference path seeds them, so they draw the same numbers.
+Not covered (``unsupported`` says why): Adafactor, complex parameters, ternary states of tensors
+with more than two dimensions (their factored second moment is over the last two).
 """
 
 from __future__ import annotations
@@ -20,15 +21,16 @@ import functools
 import importlib.util
 import os
 import shutil
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from slimopt.codecs.blockwise import LOOKUP_MASK, LOOKUP_SHIFT, BlockwiseCodec
-from slimopt.codecs.plain import FLOAT32_MAX, Fp32Codec
+from slimopt.kernels import formats
+from slimopt.kernels.formats import Storage, storage_of
+
+__all__ = ["FUSED_CHOICES", "Storage", "adamw_step", "hyperparameters", "storage_of", "unsupported"]
 from slimopt.memory import untracked
 
 # What ``fused=`` accepts: None chooses the fused path where it exists and runs on CUDA.
@@ -43,17 +45,6 @@ COMPILE_SETTINGS = {
     "automatic_dynamic_shapes": False,
     "assume_static_by_default": True,
 }
-
-
-@dataclass(frozen=True)
-class Storage:
-    """How one moment is stored, as the compiled step needs to know it (its tables are passed
-    as tensors): ``block_size`` 0 for fp32, else the block, code width and zero handling."""
-
-    block_size: int = 0
-    bits: int = 8
-    positive_floor: bool = False
-    zero_code: int = 0
 
 
 # Why auto mode gave up the fused step in this process (a compile failure); empty while it has not.
@@ -86,25 +77,14 @@ def give_up_auto(reason: str) -> None:
     _auto_failure.append(reason)
 
 
-def storage_of(codec: Any) -> Storage | None:
-    """The ``Storage`` of a codec the fused step handles, else None."""
-    if isinstance(codec, Fp32Codec):
-        return Storage()
-    if isinstance(codec, BlockwiseCodec):
-        return Storage(codec.block_size, codec.bits, codec.positive_floor, codec.zero_code)
-    return None
-
-
 def unsupported(rule: Any, group: dict[str, Any], param: Tensor) -> str | None:
     """Why the fused step cannot update ``param`` of ``group`` exactly, or None."""
     from slimopt.rules import AdamWRule
 
     if not isinstance(rule, AdamWRule):
         return f"the {type(rule).__name__.removesuffix('Rule')} rule has no fused step (AdamW only)"
-    if group["states"] not in ("fp32", "int8", "int4"):
-        return f"states={group['states']!r} draws random numbers; fused steps cover fp32, int8 and int4"
-    if group["param_rounding"] == "stochastic" and param.dtype == torch.bfloat16:
-        return "param_rounding='stochastic' draws random numbers; fused steps round to nearest"
+    if group["states"] == "ternary" and param.dim() > 2:
+        return "ternary states of tensors with more than 2 dimensions have no fused step"
     if param.is_complex():
         return "complex parameters have no fused step"
     if param.dtype not in (torch.float32, torch.bfloat16):
@@ -126,33 +106,50 @@ def compiler_error(device_type: str) -> str | None:
     return None
 
 
-# Both moments' stored parts by name, their storages, and their lookup tables (empty for fp32).
+# Both moments' stored parts by name, their storages, and their lookup tables (empty but for blocks).
 Moments = tuple[dict[str, Tensor], dict[str, Tensor]]
 Storages = tuple[Storage, Storage]
 Tables = tuple[tuple[Tensor, ...], tuple[Tensor, ...]]
 
 
 def adamw_step(
-    grad: Tensor, moments: Moments, storages: Storages, tables: Tables, hyper: Tensor, weights: Tensor | None
+    grad: Tensor,
+    moments: Moments,
+    storages: Storages,
+    tables: Tables,
+    hyper: Tensor,
+    weights: Tensor | None,
+    seeds: tuple[Tensor, ...] = (),
 ) -> Tensor | None:
-    """One AdamW step of a flat fp32 ``grad``: both moments (stored parts by name, updated in
-    place) and, with ``weights`` (flat, fp32 or bf16, updated in place), the parameter; without,
-    the direction is returned (a projected matrix projects it back itself).
+    """One AdamW step of the fp32 matrix ``grad`` (rows × columns, contiguous): both moments
+    (stored parts by name, updated in place) and, with ``weights`` (the parameter's matrix,
+    fp32 or bf16, updated in place), the parameter; without, the direction is returned (a
+    projected matrix projects it back itself).
 
     ``hyper`` is ``hyperparameters(...)``: values that change every step are data, not
     constants, so the compiled step is built once. ``tables`` are each blockwise moment's map,
-    midpoints and first codes (empty for fp32)."""
-    flat = tuple({part: tensor.view(-1) for part, tensor in parts.items()} for parts in moments)
+    midpoints and first codes. ``seeds`` are the streams (``slimopt.codecs.draws``) of the
+    stochastic roundings, in the reference path's order: each stochastic moment's, then the
+    weights' when there is one more (bf16 weights rounded stochastically)."""
+    matrix = grad.shape
+    if not any(storage.kind in formats.MATRIX_KINDS for storage in storages):
+        # Elementwise storage: the step runs on flat vectors of dynamic length, one compiled
+        # step for every shape (matrix index arithmetic of symbolic width is slower).
+        grad, weights = grad.view(-1), None if weights is None else weights.view(-1)
     if is_in_torch_dispatch_mode(include_infra_modes=False):
         # Under a mode that watches every operation (slimopt.memory.LiveBytes, counting a step's
         # memory) dynamo cannot compile, and it would never try this function again: run it
         # as it is, compiled the next time no mode watches.
-        return _adamw_step(grad, flat, storages, tables, hyper, weights)
-    for tensor in (grad, weights, *(t for parts in flat for t in parts.values())):
-        if tensor is not None and tensor.numel() > 1:
-            torch._dynamo.mark_dynamic(tensor, 0)
+        direction = _adamw_step(grad, moments, storages, tables, hyper, weights, seeds)
+        return None if direction is None else direction.view(matrix)
+    for tensor in (grad, weights, *(t for parts in moments for t in parts.values())):
+        if tensor is not None:
+            for dim, size in enumerate(tensor.shape):
+                if size > 1:
+                    torch._dynamo.mark_dynamic(tensor, dim)
     with torch._dynamo.config.patch(**COMPILE_SETTINGS):
-        return _compiled()(grad, flat, storages, tables, hyper, weights)
+        direction = _compiled()(grad, moments, storages, tables, hyper, weights, seeds)
+    return None if direction is None else direction.view(matrix)
 
 
 def hyperparameters(
@@ -205,64 +202,45 @@ def _compiled() -> Any:
 
 
 def _adamw_step(
-    grad: Tensor, moments: Moments, storages: Storages, tables: Tables, hyper: Tensor, weights: Tensor | None
+    grad: Tensor,
+    moments: Moments,
+    storages: Storages,
+    tables: Tables,
+    hyper: Tensor,
+    weights: Tensor | None,
+    seeds: tuple[Tensor, ...],
 ) -> Tensor | None:
     new1, beta2, new2, eps, correction1, correction2_sqrt, decay, alpha = hyper.unbind()
-    numel = grad.numel()
-    (m_parts, v_parts), (m_store, v_store) = moments, storages
-    block = m_store.block_size  # both moments of a tensor are stored alike (fp32, or blocks of one size)
-    if block:
-        # The whole step in blocks × block_size: the per-block scales broadcast along rows.
-        count = m_parts["absmax"].numel()
-        padding = count * block - numel
-        grad = (torch.nn.functional.pad(grad, (0, padding)) if padding else grad).view(count, block)
-    exp_avg = _decode(m_parts, m_store, tables[0])
-    exp_avg_sq = _decode(v_parts, v_store, tables[1])
+    streams = iter(seeds)
+    grad_shape = shape = grad.shape
+    numel, padding = grad.numel(), 0
+    if storages[0].kind == "blockwise" and storages[0].block_size == storages[1].block_size:
+        # Both moments in blocks of one size: the whole step in blocks × block_size, where the
+        # per-block scales broadcast along rows.
+        shape = formats.blocks_shape(moments[0], storages[0])
+        padding = shape.numel() - numel
+        grad = torch.nn.functional.pad(grad.reshape(-1), (0, padding)).view(shape)
+    exp_avg, exp_avg_sq = (
+        formats.decode(parts, storage, table, shape)
+        for parts, storage, table in zip(moments, storages, tables, strict=True)
+    )
     # The reference rule's operations, in its order (slimopt.rules.adamw).
     exp_avg = torch.lerp(exp_avg, grad, new1)  # new1, new2: the weights of the new gradient
     exp_avg_sq = exp_avg_sq * beta2 + new2 * grad * grad
     direction = exp_avg / (exp_avg_sq.sqrt() / correction2_sqrt + eps) / correction1
-    if block and padding:
+    if padding:
         # The reference encodes the moment padded with zeros; a decoded padding need not be zero
         # (the 4-bit second-moment map has no zero), so it is cleared before the block scales.
-        real = (torch.arange(count * block, device=grad.device) < numel).view(count, block)
+        real = (torch.arange(shape.numel(), device=grad.device) < numel).view(shape)
         exp_avg, exp_avg_sq = exp_avg * real, exp_avg_sq * real
-    _encode(exp_avg, m_parts, m_store, tables[0])
-    _encode(exp_avg_sq, v_parts, v_store, tables[1])
-    direction = direction.reshape(-1)
-    if block and padding:
-        direction = direction[:numel]
+        direction = direction.reshape(-1)[:numel]
+    direction = direction.reshape(grad_shape)
+    for value, parts, storage, table in zip((exp_avg, exp_avg_sq), moments, storages, tables, strict=True):
+        formats.encode(value, parts, storage, table, next(streams) if storage.stochastic else None)
     if weights is None:
         return direction
     target = weights.float() * decay + alpha * direction
-    weights.copy_(target.to(weights.dtype))
+    if weights.dtype == torch.bfloat16:
+        target = formats.round_to_bf16(target, next(streams, None))
+    weights.copy_(target)
     return None
-
-
-def _decode(parts: dict[str, Tensor], storage: Storage, table: tuple[Tensor, ...]) -> Tensor:
-    """A moment as fp32: flat for fp32 storage, else blocks × block_size."""
-    if not storage.block_size:
-        return parts[""]
-    codes = parts["codes"]
-    if storage.bits == 4:
-        codes = torch.stack([codes & 15, codes >> 4], dim=1).reshape(-1)
-    return table[0][codes.int()].view(-1, storage.block_size) * parts["absmax"].unsqueeze(1)
-
-
-def _encode(value: Tensor, parts: dict[str, Tensor], storage: Storage, table: tuple[Tensor, ...]) -> None:
-    """Write ``value`` (as ``_decode`` shapes it) into the stored parts."""
-    if not storage.block_size:
-        parts[""].copy_(value)
-        return
-    _, midpoints, first_codes = table
-    absmax = value.abs().amax(dim=1).clamp(max=FLOAT32_MAX)
-    normalized = (value / torch.where(absmax > 0, absmax, 1.0).unsqueeze(1)).reshape(-1)
-    bucket = normalized.view(torch.int32).bitwise_right_shift(LOOKUP_SHIFT).bitwise_and(LOOKUP_MASK)
-    codes = first_codes[bucket].int()
-    codes = codes + (normalized > midpoints[codes]).int()
-    if storage.positive_floor:
-        codes = torch.where((normalized > 0) & (codes == storage.zero_code), storage.zero_code + 1, codes)
-    if storage.bits == 4:
-        codes = codes[0::2] | (codes[1::2] << 4)
-    parts["codes"].copy_(codes.to(torch.uint8))
-    parts["absmax"].copy_(absmax)
