@@ -185,7 +185,7 @@ def test_target_modules_and_names(tmp_path) -> None:
     assert len(attention.param_groups[0]["params"]) == 4 * 2  # q, k, v, o of two layers
     default = create_optimizer(model, _args(tmp_path, optim_target_modules=None), "galore_adamw8bit")
     assert len(default.param_groups[0]["params"]) == len(linear) - 1
-    with pytest.raises(ValueError, match=r"matches no nn\.Linear module"):
+    with pytest.raises(ValueError, match=r"matches no linear module"):
         create_optimizer(model, _args(tmp_path, optim_target_modules=["attn_proj"]), "galore_adamw")
     with pytest.raises(ValueError, match="does not project gradients"):
         create_optimizer(

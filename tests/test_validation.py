@@ -64,7 +64,9 @@ def test_build_optimizer_rejects_unknown_names_and_options() -> None:
     with pytest.raises(ValueError, match="'adamw' does not project gradients; remove rank"):
         build_optimizer(model, "adamw", lr=1e-3, rank=8)
     with pytest.raises(
-        ValueError, match=r"matches no nn\.Linear module; linear modules of this model: model\.layers"
+        ValueError,
+        match=r"matches no linear module \(nn\.Linear or transformers Conv1D\); linear modules of this "
+        r"model: model\.layers",
     ):
         build_optimizer(model, "galore_adamw", lr=1e-3, target_modules=["attention_only"])
     with pytest.raises(ValueError, match="param group 0: rank must be a positive integer"):

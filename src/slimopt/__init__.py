@@ -3,9 +3,11 @@
 ``GaLoreAdamW`` and ``GaLoreAdafactor`` are drop-in ``torch.optim`` optimizers (galore-torch's
 param-group convention) with fp32, bf16, int8, int4 or ternary moments (``states=``);
 ``build_optimizer`` configures one for a model by name; ``layerwise`` makes it update inside
-backward; ``state_nbytes`` counts its state and ``decoded_state`` reads a parameter's moments.
+backward; ``state_nbytes`` counts its state, ``decoded_state`` reads a parameter's moments and
+``describe`` says what it does with each parameter.
 """
 
+from slimopt.describe import describe
 from slimopt.layerwise import LayerwiseHandle, layerwise
 from slimopt.memory import state_nbytes
 from slimopt.optimizer import (
@@ -32,6 +34,7 @@ __all__ = [
     "available_optimizers",
     "build_optimizer",
     "decoded_state",
+    "describe",
     "layerwise",
     "select_target_modules",
     "state_nbytes",

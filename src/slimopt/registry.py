@@ -111,36 +111,70 @@ def output_head(model: nn.Module) -> nn.Module | None:
     return getattr(model, "lm_head", None)
 
 
+def is_transposed_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is Hugging Face's ``Conv1D`` (GPT-2 and its kin): a linear layer whose
+    weight is stored transposed, in × out. Recognized by name and layout, without importing
+    transformers."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and hasattr(module, "nf")
+        and isinstance(weight, Tensor)
+        and weight.dim() == 2
+    )
+
+
+def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's linear layers by name: ``nn.Linear`` and transformers' ``Conv1D``."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) or is_transposed_linear(module)
+    }
+
+
+def _matches(name: str, target_modules: str | list[str]) -> bool:
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, name) is not None
+    return any(key == name or key in name or re.fullmatch(key, name) for key in target_modules)
+
+
 def select_target_modules(model: nn.Module, target_modules: str | list[str] | None = None) -> list[str]:
-    """Return the names of the ``nn.Linear`` modules selected by ``target_modules``.
+    """Return the names of the linear modules (``nn.Linear``, transformers' ``Conv1D``) selected
+    by ``target_modules``.
 
     ``None``: every linear layer except the output head (the attention and MLP projections of a
     transformer). ``"all-linear"``: every linear layer. A string: a regular expression that must
     match a module name in full. A list: module names, substrings of names, or full-match regexes.
-    Raises ``ValueError`` when nothing is selected.
+    Raises ``ValueError`` when nothing is selected, or when an explicit selection names a module
+    whose own weights are not a linear layer's (3-D expert weights of a mixture of experts, …):
+    slimopt projects each selected weight as one matrix and would not flatten one silently.
     """
-    linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    linears = linear_layers(model)
     if target_modules is None:
         head = output_head(model)
-        selected = [name for name, module in linears.items() if module is not head]
-    elif isinstance(target_modules, str) and target_modules.replace("_", "-") == "all-linear":
-        selected = list(linears)
-    elif isinstance(target_modules, str):
-        selected = [name for name in linears if re.fullmatch(target_modules, name)]
-    else:
-        keys = list(target_modules)
-        selected = [
-            name
-            for name in linears
-            if any(key == name or key in name or re.fullmatch(key, name) for key in keys)
-        ]
-    if not selected:
-        shown = ", ".join(list(linears)[:8]) + (", …" if len(linears) > 8 else "")
-        raise ValueError(
-            f"target_modules={target_modules!r} matches no nn.Linear module; "
-            f"linear modules of this model: {shown or 'none'}"
-        )
-    return selected
+        return [name for name, module in linears.items() if module is not head] or _nothing(linears, None)
+    if isinstance(target_modules, str) and target_modules.replace("_", "-") == "all-linear":
+        return list(linears) or _nothing(linears, target_modules)
+    for name, module in model.named_modules():
+        if name in linears or not _matches(name, target_modules):
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            if param.dim() >= 3 and not isinstance(module, nn.modules.conv._ConvNd):
+                raise ValueError(
+                    f"target_modules={target_modules!r} selects {name}.{param_name} of shape "
+                    f"{tuple(param.shape)}, which slimopt cannot project as one matrix (a weight per "
+                    f"expert?); exclude {name!r} from target_modules"
+                )
+    return [name for name in linears if _matches(name, target_modules)] or _nothing(linears, target_modules)
+
+
+def _nothing(linears: dict[str, nn.Module], target_modules: str | list[str] | None) -> list[str]:
+    shown = ", ".join(list(linears)[:8]) + (", …" if len(linears) > 8 else "")
+    raise ValueError(
+        f"target_modules={target_modules!r} matches no linear module (nn.Linear or transformers "
+        f"Conv1D); linear modules of this model: {shown or 'none'}"
+    )
 
 
 def default_rank(matrices: list[Tensor]) -> int:
@@ -173,6 +207,32 @@ def warn_if_projection_saves_nothing(matrices: list[Tensor], rank: int) -> None:
         )
 
 
+FLIPPED_SIDES = {"left": "right", "right": "left"}
+
+
+def _warn_unprojected_experts(model: nn.Module, params: dict[int, Tensor]) -> None:
+    """A ``UserWarning`` naming trainable tensors of three or more dimensions that are not
+    convolution kernels (a mixture of experts' stacked expert weights): a projecting optimizer
+    keeps their moments whole, unprojected."""
+    kernels = {
+        id(p) for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd) for p in m.parameters()
+    }
+    names = [
+        f"{name} {tuple(p.shape)}"
+        for name, p in model.named_parameters()
+        if id(p) in params and p.dim() >= 3 and id(p) not in kernels
+    ]
+    if names:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        warnings.warn(
+            f"{shown}: tensors of 3 or more dimensions that are not convolution kernels (stacked "
+            "expert weights?) are not projected; their moments are kept whole (per-expert projection "
+            "is not implemented)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def build_optimizer(
     model: nn.Module,
     name: str,
@@ -188,6 +248,9 @@ def build_optimizer(
     The param groups, each named by ``group["name"]``, in this order (empty ones left out):
     ``"projected"`` (projecting optimizers only: the weights of the selected linear modules,
     rank ``rank``, default ``default_rank`` of them, plus any projection ``options``),
+    ``"projected_transposed"`` (transformers ``Conv1D`` weights, stored in × out, when
+    ``proj_type`` names a side: they get the other one, so "left" is the output side of every
+    layer),
     ``"unprojected"`` (every other matrix) and ``"no_decay"`` (1-D parameters: biases and norms,
     without weight decay). A rank at which projection saves no state warns.
     Remaining ``options`` (``weight_decay``, ``betas``, …) go to the optimizer class. Raises
@@ -203,20 +266,37 @@ def build_optimizer(
             f"optimizer {name!r} does not project gradients; remove {', '.join(given + list(projection))} "
             f"or choose one of: {', '.join(n for n, s in OPTIMIZERS.items() if s.projected)}"
         )
+    # model.parameters() yields a tied parameter (an embedding shared with the output head) once.
     params = {id(p): p for p in model.parameters() if p.requires_grad}
     projected_ids: set[int] = set()
+    transposed_ids: set[int] = set()
     if spec.projected:
         modules = dict(model.named_modules())
         for module_name in select_target_modules(model, target_modules):
             weight = modules[module_name].weight
             if weight.requires_grad:
                 projected_ids.add(id(weight))
+                if is_transposed_linear(modules[module_name]):
+                    transposed_ids.add(id(weight))
+        _warn_unprojected_experts(model, params)
     projected = [p for i, p in params.items() if i in projected_ids]
     if spec.projected and projected:
         rank = default_rank(projected) if rank is None else rank
         warn_if_projection_saves_nothing(projected, rank)
+    # A basis side named by the user ("left": the output side of a layer) is the other side
+    # of a transposed weight; the other proj_types choose by shape, the same for both layouts.
+    flipped = FLIPPED_SIDES.get(projection.get("proj_type", ""))
+    transposed = [p for p in projected if id(p) in transposed_ids] if flipped else []
+    linear_layout = [p for p in projected if not any(p is q for q in transposed)]
     groups = [
-        {"name": "projected", "params": projected, "rank": rank, **projection},
+        {"name": "projected", "params": linear_layout, "rank": rank, **projection},
+        {
+            "name": "projected_transposed",
+            "params": transposed,
+            "rank": rank,
+            **projection,
+            "proj_type": flipped,
+        },
         {
             "name": "unprojected",
             "params": [p for i, p in params.items() if i not in projected_ids and p.dim() >= 2],

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from slimopt.describe import describe as describe_optimizer
 from slimopt.distributed import STRATEGIES, barrier, from_first, local_view
 from slimopt.layerwise import check_refresh_from, layerwise
 from slimopt.memory import LiveBytes, state_nbytes, state_tensors
@@ -326,6 +327,7 @@ def _train(config: TrainConfig, parallel: Parallel, progress: bool, label: str |
         f"training {config.model} ({_count(parameters)} parameters) with {config.optimizer}"
         f"{_rank_note(optimizer, config)}{note}{fused} on {where}; run directory {out}"
     )
+    say(describe_optimizer(getattr(optimizer, "optim", optimizer), model, parameters=False))
 
     def save(step: int) -> Path:
         trainer_state = {

@@ -1,0 +1,61 @@
+"""``describe``: what an optimizer does with each parameter, in words a person can check — which
+weights are projected, at what rank and on which side, how their moments are stored, which
+update path they take and how many bytes of state each group holds."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch import Tensor, nn
+
+from slimopt.codecs.rows import matrix_shape
+from slimopt.memory import storage_nbytes
+from slimopt.optimizer import GaLoreOptimizer
+from slimopt.projection import sides
+
+
+def _shape(tensor: Tensor) -> str:
+    return "×".join(str(size) for size in tensor.shape) or "scalar"
+
+
+def _side(param: Tensor, group: dict) -> str:
+    rows, cols = matrix_shape(param.shape)
+    left, right = sides((rows, cols), group["proj_type"])
+    rank = group["rank"]
+    parts = [f"left {rows}×{min(rank, rows)}"] * left + [f"right {min(rank, cols)}×{cols}"] * right
+    return "basis " + " and ".join(parts)
+
+
+def describe(optimizer: GaLoreOptimizer, model: nn.Module | None = None, *, parameters: bool = True) -> str:
+    """A plain-text summary of ``optimizer``: per param group its settings, state bytes (0
+    before the first step creates the state) and update path, then (with ``parameters``) each
+    parameter, named from ``model`` where given, with its shape and, if projected, its basis."""
+    if not isinstance(optimizer, GaLoreOptimizer):
+        raise TypeError(f"describe takes a slimopt optimizer, got {type(optimizer).__name__}")
+    names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
+    paths = optimizer.fused_path
+    lines = []
+    ordinal = 0
+    for index, (group, path) in enumerate(zip(optimizer.param_groups, paths, strict=True)):
+        params = group["params"]
+        projected = {id(p) for p in params if optimizer.projects(p, group)}
+        stored = [t for p in params for t in optimizer.state.get(p, {}).values() if isinstance(t, Tensor)]
+        settings = [f"states {group['states']}", f"weight decay {group['weight_decay']:g}"]
+        if projected:
+            settings[:0] = [f"rank {group['rank']}", f"proj_type {group['proj_type']}"]
+        title = group.get("name", f"group {index}")
+        count = sum(p.numel() for p in params)
+        lines.append(
+            f"{title}: {len(params)} tensors, {count:,} parameters ({len(projected)} projected); "
+            f"{', '.join(settings)}; state {storage_nbytes(stored):,} bytes; {path} path"
+        )
+        for param in params:
+            name = names.get(id(param), f"parameter {ordinal}")
+            ordinal += 1
+            if not parameters:
+                continue
+            what = _side(param, group) if id(param) in projected else "unprojected"
+            lines.append(f"  {name}  {_shape(param)}  {what}")
+    kinds = Counter(p.dim() for group in optimizer.param_groups for p in group["params"])
+    lines.append("tensors by dimensions: " + ", ".join(f"{dims}-D: {n}" for dims, n in sorted(kinds.items())))
+    return "\n".join(lines)
