@@ -35,7 +35,7 @@ from slimopt.memory import untracked
 
 # What ``fused=`` accepts: None chooses the fused path where it exists and runs on CUDA.
 FUSED_CHOICES = (None, True, False)
-# Tensor lengths are marked dynamic (one compiled step serves every size); everything else,
+# Tensor sizes are marked dynamic (one compiled step serves every size); everything else,
 # block sizes and code widths included, stays a constant of the compiled loops: a block
 # reduction of symbolic length is several times slower. One compiled step per storage pair
 # and weight dtype, a handful per model: more than dynamo's default of 8 variants per function,
