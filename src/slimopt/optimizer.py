@@ -586,8 +586,7 @@ class GaLoreOptimizer(Optimizer):
             lr, group["betas"], group["eps"], group["weight_decay"], age, scale, device
         )
         draws = sum(storage.stochastic for storage in storages)
-        if weights is not None and weights.dtype == torch.bfloat16:
-            draws += group["param_rounding"] == "stochastic"
+        draws += weights is not None and _rounds_stochastically(weights, group)
         seeds = tuple(stream_seed(generator, device) for _ in range(draws))
         parts = tuple(stored[key] for key in keys)
         try:

@@ -30,16 +30,17 @@ def round_to_bf16_stochastically(value: Tensor, generator: torch.Generator | Non
     """``value`` in bf16, rounded up or down with probabilities that make it unbiased: the 16
     fp32 mantissa bits that bf16 drops are compared with 16 random bits (the next stream of
     ``generator``, ``slimopt.codecs.draws``)."""
+    return round_to_bf16_with_stream(value, stream_seed(generator, value.device))
+
+
+def round_to_bf16_with_stream(value: Tensor, seed: Tensor) -> Tensor:
+    """``round_to_bf16_stochastically`` with the draws of stream ``seed``: element i adds the 16
+    high bits of draw i below bf16's mantissa (the reference path and the fused step share it)."""
     bits = value.float().view(torch.int32)
-    noise = bf16_rounding_noise(stream_seed(generator, bits.device), bits.numel()).view(bits.shape)
-    rounded = (bits + noise).bitwise_and_(-65536)  # clear the low 16 bits
+    words = random_words(seed, draw_indices(bits.numel(), bits.device)).view(bits.shape)
+    noise = words.bitwise_right_shift(16).bitwise_and(0xFFFF)
+    rounded = (bits + noise).bitwise_and(-65536)  # clear the low 16 bits
     return rounded.view(torch.float32).to(torch.bfloat16)
-
-
-def bf16_rounding_noise(seed: Tensor, count: int) -> Tensor:
-    """The 16 random bits (int32) that draw i of stream ``seed`` adds below bf16's mantissa."""
-    words = random_words(seed, draw_indices(count, seed.device))
-    return words.bitwise_right_shift_(16).bitwise_and_(0xFFFF)
 
 
 class Bf16Codec:

@@ -18,7 +18,7 @@ from torch import Tensor
 from slimopt.codecs.blockwise import LOOKUP_MASK, LOOKUP_SHIFT, BlockwiseCodec
 from slimopt.codecs.draws import draw_indices, random_words, uniform_from_words
 from slimopt.codecs.factored import FactoredCodec
-from slimopt.codecs.plain import FLOAT32_MAX, Bf16Codec, Fp32Codec
+from slimopt.codecs.plain import FLOAT32_MAX, Bf16Codec, Fp32Codec, round_to_bf16_with_stream
 from slimopt.codecs.ternary import EXPONENT_STEPS_PER_OCTAVE, TRITS_PER_BYTE, TernaryCodec
 
 # Formats whose scales follow rows and columns: their moments are decoded as matrices.
@@ -123,12 +123,7 @@ def blocks_shape(parts: dict[str, Tensor], storage: Storage) -> torch.Size:
 
 def round_to_bf16(value: Tensor, seed: Tensor | None) -> Tensor:
     """``value`` in bf16: stochastically with draws of stream ``seed``, else to nearest."""
-    if seed is None:
-        return value.to(torch.bfloat16)
-    indices = draw_indices(value.numel(), value.device).view(value.shape)
-    noise = (random_words(seed, indices) >> 16) & 0xFFFF
-    rounded = (value.view(torch.int32) + noise) & -65536
-    return rounded.view(torch.float32).to(torch.bfloat16)
+    return value.to(torch.bfloat16) if seed is None else round_to_bf16_with_stream(value, seed)
 
 
 def _encode_blockwise(
