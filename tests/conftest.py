@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass, field
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors; it is chosen when a
+# kernel is defined, so before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -18,6 +26,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+@dataclass
+class FusedBackend:
+    """Which fused step a test runs, and the Triton kernel's launches (none for "compiled")."""
+
+    name: str
+    launches: list[int] = field(default_factory=list)
+
+    def check(self) -> None:
+        """Fail unless the Triton kernel ran (for the "triton" backend)."""
+        assert self.name == "compiled" or self.launches, "the Triton kernel never ran"
+
+
+@pytest.fixture(params=["compiled", "triton"])
+def fused_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> FusedBackend:
+    """Runs a fused-step test twice: through the compiled step, and through the hand-written
+    Triton kernel wherever it covers the storage (on CPU tensors in Triton's interpreter); the
+    test ends with ``fused_backend.check()``."""
+    backend = FusedBackend(request.param)
+    if backend.name == "triton":
+        pytest.importorskip("triton")
+        from slimopt import kernels
+        from slimopt.kernels import triton_adamw
+
+        monkeypatch.setattr(kernels, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
+        kernel = triton_adamw.adamw_step
+        launch = lambda *args: backend.launches.append(1) or kernel(*args)  # noqa: E731
+        monkeypatch.setattr(triton_adamw, "adamw_step", launch)
+    return backend
 
 
 @pytest.fixture

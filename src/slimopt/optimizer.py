@@ -591,7 +591,7 @@ class GaLoreOptimizer(Optimizer):
         parts = tuple(stored[key] for key in keys)
         try:
             return kernels.adamw_step(grad.contiguous(), parts, storages, tables, hyper, weights, seeds)
-        except kernels.CompileFailure as error:
+        except kernels.compile_failures() as error:
             if group["fused"] is True:
                 raise
             # Auto mode promised only the fastest exact path: the reference path is one.

@@ -9,7 +9,9 @@ gives the same codes for the same fp32 values and parameters within fp32 round-o
 loops may contract a multiply and an add into one rounding).
 
 Covered: the AdamW rule with every storage format (``formats``), fp32 or bf16 parameters rounded
-to nearest or stochastically. Stochastic roundings draw from counter-based streams
+to nearest or stochastically. On CUDA, moments stored elementwise (fp32, bf16, 8- and 4-bit
+blocks) take the hand-written Triton kernel of ``triton_adamw`` instead: one launch per tensor,
+no compilation per shape. Stochastic roundings draw from counter-based streams
 (``slimopt.codecs.draws``) seeded as the reference path seeds them, so they draw the same numbers.
 Not covered (``unsupported`` says why): Adafactor, complex parameters, ternary states of tensors
 with more than two dimensions (their factored second moment is over the last two).
@@ -47,6 +49,11 @@ COMPILE_SETTINGS = {
 }
 
 
+# Devices whose fused step for elementwise storage is the hand-written Triton kernel
+# (``triton_adamw``); the tests add "cpu" to run it in Triton's interpreter.
+TRITON_DEVICE_TYPES = ("cuda",)
+
+
 # Why auto mode gave up the fused step in this process (a compile failure); empty while it has not.
 _auto_failure: list[str] = []
 
@@ -59,6 +66,17 @@ def __getattr__(name: str) -> Any:
 
         return torch._dynamo.exc.BackendCompilerFailed
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def compile_failures() -> tuple[type[Exception], ...]:
+    """What a fused step raises when its code fails to build: ``CompileFailure``, and Triton's
+    compilation error for the hand-written kernel where Triton is installed."""
+    failures: tuple[type[Exception], ...] = (__getattr__("CompileFailure"),)
+    if _triton_installed():
+        from triton.compiler.errors import CompilationError
+
+        failures += (CompilationError,)
+    return failures
 
 
 def auto_available(device_type: str) -> bool:
@@ -132,6 +150,10 @@ def adamw_step(
     stochastic roundings, in the reference path's order: each stochastic moment's, then the
     weights' when there is one more (bf16 weights rounded stochastically)."""
     matrix = grad.shape
+    if grad.device.type in TRITON_DEVICE_TYPES and triton_handles(storages):
+        from slimopt.kernels import triton_adamw
+
+        return triton_adamw.adamw_step(grad, moments, storages, tables, hyper, weights, seeds)
     if not any(storage.kind in formats.MATRIX_KINDS for storage in storages):
         # Elementwise storage: the step runs on flat vectors of dynamic length, one compiled
         # step for every shape (matrix index arithmetic of symbolic width is slower).
@@ -194,6 +216,21 @@ def _hyperparameters(
     ]
     with untracked():  # a cache shared by the steps, not memory of one
         return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_handles(storages: Storages) -> bool:
+    """Whether the hand-written Triton kernel (``triton_adamw``) covers moments stored as
+    ``storages``: elementwise formats, blocks of one (even) size where both are blockwise."""
+    elementwise = all(storage.kind in ("fp32", "bf16", "blockwise") for storage in storages)
+    if not (elementwise and _triton_installed()):
+        return False
+    sizes = {storage.block_size for storage in storages if storage.kind == "blockwise"}
+    return len(sizes) <= 1 and all(size % 2 == 0 for size in sizes)
 
 
 @functools.cache

@@ -1,0 +1,291 @@
+"""The fused AdamW step as one hand-written Triton kernel, for moments stored elementwise (fp32,
+bf16, 8-bit and 4-bit blocks): each program reads one block of the gradient, decodes both
+moments, updates them, encodes them and writes the parameter (or the direction of a projected
+matrix), so a step is one launch and one pass over memory.
+
+It computes what ``slimopt.kernels.formats`` and the reference codecs compute, operation for
+operation: the same lookup for the nearest code, the same counter-based draws
+(``slimopt.codecs.draws``) for stochastic rounding, indexed by element. A program covers one
+quantization block, walked as two interleaved halves (even and odd elements), so the two 4-bit
+codes of a byte are written by the program that computes them. Moments stored by rows and
+columns (ternary, factored) need reductions across the whole matrix and stay with the compiled
+step (``slimopt.kernels``). With ``TRITON_INTERPRET=1`` set before this module is imported the
+kernel runs on CPU tensors, which is how it is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from slimopt.codecs.blockwise import LOOKUP_MASK, LOOKUP_SHIFT
+from slimopt.codecs.draws import MULTIPLIERS
+from slimopt.codecs.plain import FLOAT32_MAX
+from slimopt.kernels.formats import Storage
+
+# Elements per program when no moment is stored in blocks.
+PLAIN_BLOCK = 1024
+# Storage kinds as the kernel's constants.
+FP32, BF16, BLOCKS8, BLOCKS4 = range(4)
+# What the kernel writes to the parameter: nothing (the direction is returned), fp32, bf16 to
+# nearest, bf16 stochastically.
+DIRECTION, WEIGHTS_FP32, WEIGHTS_BF16, WEIGHTS_BF16_STOCHASTIC = range(4)
+
+# The same numbers as the kernels' constants (Triton reads only tl.constexpr globals).
+FP32_, BF16_, BLOCKS8_, BLOCKS4_ = (tl.constexpr(kind) for kind in (FP32, BF16, BLOCKS8, BLOCKS4))
+DIRECTION_, WEIGHTS_FP32_, WEIGHTS_BF16_ = (tl.constexpr(m) for m in (DIRECTION, WEIGHTS_FP32, WEIGHTS_BF16))
+MULTIPLIERS_0, MULTIPLIERS_1 = (tl.constexpr(multiplier) for multiplier in MULTIPLIERS)
+LOOKUP_SHIFT_ = tl.constexpr(LOOKUP_SHIFT)
+LOOKUP_MASK_ = tl.constexpr(LOOKUP_MASK)
+FLOAT32_MAX_ = tl.constexpr(FLOAT32_MAX)
+
+
+def adamw_step(
+    grad: Tensor,
+    moments: tuple[dict[str, Tensor], dict[str, Tensor]],
+    storages: tuple[Storage, Storage],
+    tables: tuple[tuple[Tensor, ...], tuple[Tensor, ...]],
+    hyper: Tensor,
+    weights: Tensor | None,
+    seeds: tuple[Tensor, ...],
+) -> Tensor | None:
+    """``slimopt.kernels.adamw_step`` for storages that ``slimopt.kernels.triton_handles``
+    accepts: the same arguments (flat or matrix tensors, contiguous), the direction returned
+    when ``weights`` is None."""
+    numel = grad.numel()
+    direction = grad.new_empty(grad.shape) if weights is None else None
+    if numel == 0:
+        return direction
+    sizes = [storage.block_size for storage in storages if storage.kind == "blockwise"]
+    block = sizes[0] if sizes else PLAIN_BLOCK
+    streams = iter(seeds)
+    args = []
+    for parts, storage, table in zip(moments, storages, tables, strict=True):
+        seed = next(streams) if storage.stochastic else hyper
+        if storage.kind == "blockwise":
+            args += [parts["codes"], parts["absmax"], *table, seed]
+        else:
+            args += [parts[""], hyper, hyper, hyper, hyper, seed]
+    if weights is None:
+        target, mode, weight_seed = direction, DIRECTION, hyper
+    elif weights.dtype.is_floating_point and weights.element_size() == 4:
+        target, mode, weight_seed = weights, WEIGHTS_FP32, hyper
+    elif len(seeds) > sum(storage.stochastic for storage in storages):  # a stream left for them
+        target, mode, weight_seed = weights, WEIGHTS_BF16_STOCHASTIC, next(streams)
+    else:
+        target, mode, weight_seed = weights, WEIGHTS_BF16, hyper
+    kinds = [_kind(storage) for storage in storages]
+    _adamw_kernel[(triton.cdiv(numel, block),)](
+        grad,
+        target,
+        weight_seed,
+        hyper,
+        numel,
+        *args,
+        M_KIND=kinds[0],
+        M_FLOOR=storages[0].positive_floor,
+        M_ZERO=storages[0].zero_code,
+        V_KIND=kinds[1],
+        V_FLOOR=storages[1].positive_floor,
+        V_ZERO=storages[1].zero_code,
+        MODE=mode,
+        HALF=block // 2,
+    )
+    return direction
+
+
+def _kind(storage: Storage) -> int:
+    if storage.kind == "blockwise":
+        return BLOCKS4 if storage.bits == 4 else BLOCKS8
+    return BF16 if storage.kind == "bf16" else FP32
+
+
+@triton.jit
+def _random_words(seed, index):
+    """``slimopt.codecs.draws.random_words``: the int32 hash of draw ``index`` of stream ``seed``."""
+    words = index ^ seed
+    words ^= (words >> 16) & 0xFFFF
+    words *= MULTIPLIERS_0
+    words ^= (words >> 15) & 0x1FFFF
+    words *= MULTIPLIERS_1
+    return words ^ ((words >> 15) & 0x1FFFF)
+
+
+@triton.jit
+def _round_to_bf16(value, seed, index):
+    """``slimopt.codecs.plain.round_to_bf16_with_stream`` for the elements at ``index``."""
+    noise = (_random_words(seed, index) >> 16) & 0xFFFF
+    bits = (value.to(tl.int32, bitcast=True) + noise) & -65536
+    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _round_to_nearest_bf16(value):
+    """``value`` to the nearest bf16, ties to even, in integer arithmetic: conversions differ
+    between Triton's backends (its interpreter truncates)."""
+    bits = value.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _decode(values, absmax, table, index, pair, mask, program, KIND: tl.constexpr, ODD: tl.constexpr):
+    """One half of a program's block of a moment, in fp32 (padding and masked elements: 0 for
+    plain storage, whatever their code decodes to for blocks)."""
+    if KIND == FP32_:
+        value = tl.load(values + index, mask=mask, other=0.0)
+    elif KIND == BF16_:
+        value = tl.load(values + index, mask=mask, other=0.0).to(tl.float32)
+    else:
+        if KIND == BLOCKS8_:
+            code = tl.load(values + index).to(tl.int32)
+        elif ODD:
+            code = tl.load(values + pair).to(tl.int32) >> 4
+        else:
+            code = tl.load(values + pair).to(tl.int32) & 15
+        value = tl.load(table + code) * tl.load(absmax + program)
+    return value
+
+
+@triton.jit
+def _nearest_codes(normalized, midpoints, first_codes, FLOOR: tl.constexpr, ZERO: tl.constexpr):
+    """``BlockwiseCodec``'s lookup: the bucket's first code, then one midpoint comparison."""
+    bucket = (normalized.to(tl.int32, bitcast=True) >> LOOKUP_SHIFT_) & LOOKUP_MASK_
+    code = tl.load(first_codes + bucket).to(tl.int32)
+    code += (normalized > tl.load(midpoints + code)).to(tl.int32)
+    if FLOOR:
+        code = tl.where((normalized > 0) & (code == ZERO), ZERO + 1, code)
+    return code
+
+
+@triton.jit
+def _encode(
+    even,
+    odd,
+    values,
+    absmax,
+    midpoints,
+    first_codes,
+    seed,
+    index_even,
+    index_odd,
+    pair,
+    mask_even,
+    mask_odd,
+    program,
+    KIND: tl.constexpr,
+    FLOOR: tl.constexpr,
+    ZERO: tl.constexpr,
+):
+    """Store both halves of a program's block of a moment (padding elements arrive as 0)."""
+    if KIND == FP32_:
+        tl.store(values + index_even, even, mask=mask_even)
+        tl.store(values + index_odd, odd, mask=mask_odd)
+    elif KIND == BF16_:
+        seed_value = tl.load(seed)
+        tl.store(values + index_even, _round_to_bf16(even, seed_value, index_even), mask=mask_even)
+        tl.store(values + index_odd, _round_to_bf16(odd, seed_value, index_odd), mask=mask_odd)
+    else:
+        scale = tl.minimum(tl.maximum(tl.max(tl.abs(even), 0), tl.max(tl.abs(odd), 0)), FLOAT32_MAX_)
+        divisor = tl.where(scale > 0, scale, 1.0)
+        code_even = _nearest_codes(even / divisor, midpoints, first_codes, FLOOR, ZERO)
+        code_odd = _nearest_codes(odd / divisor, midpoints, first_codes, FLOOR, ZERO)
+        if KIND == BLOCKS8_:
+            tl.store(values + index_even, code_even.to(tl.uint8))
+            tl.store(values + index_odd, code_odd.to(tl.uint8))
+        else:
+            tl.store(values + pair, (code_even | (code_odd << 4)).to(tl.uint8))
+        tl.store(absmax + program, scale)
+
+
+@triton.jit
+def _adamw_kernel(
+    grad,
+    target,
+    weight_seed,
+    hyper,
+    numel,
+    m_values,
+    m_absmax,
+    m_map,
+    m_midpoints,
+    m_first_codes,
+    m_seed,
+    v_values,
+    v_absmax,
+    v_map,
+    v_midpoints,
+    v_first_codes,
+    v_seed,
+    M_KIND: tl.constexpr,
+    M_FLOOR: tl.constexpr,
+    M_ZERO: tl.constexpr,
+    V_KIND: tl.constexpr,
+    V_FLOOR: tl.constexpr,
+    V_ZERO: tl.constexpr,
+    MODE: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    program = tl.program_id(0)
+    pair = program * HALF + tl.arange(0, HALF)
+    index_even = 2 * pair
+    index_odd = index_even + 1
+    mask_even = index_even < numel
+    mask_odd = index_odd < numel
+    m_even, v_even, d_even = _update(
+        tl.load(grad + index_even, mask=mask_even, other=0.0),
+        _decode(m_values, m_absmax, m_map, index_even, pair, mask_even, program, M_KIND, False),
+        _decode(v_values, v_absmax, v_map, index_even, pair, mask_even, program, V_KIND, False),
+        mask_even, hyper,
+    )  # fmt: skip
+    m_odd, v_odd, d_odd = _update(
+        tl.load(grad + index_odd, mask=mask_odd, other=0.0),
+        _decode(m_values, m_absmax, m_map, index_odd, pair, mask_odd, program, M_KIND, True),
+        _decode(v_values, v_absmax, v_map, index_odd, pair, mask_odd, program, V_KIND, True),
+        mask_odd, hyper,
+    )  # fmt: skip
+    _encode(
+        m_even, m_odd, m_values, m_absmax, m_midpoints, m_first_codes, m_seed,
+        index_even, index_odd, pair, mask_even, mask_odd, program, M_KIND, M_FLOOR, M_ZERO,
+    )  # fmt: skip
+    _encode(
+        v_even, v_odd, v_values, v_absmax, v_midpoints, v_first_codes, v_seed,
+        index_even, index_odd, pair, mask_even, mask_odd, program, V_KIND, V_FLOOR, V_ZERO,
+    )  # fmt: skip
+    _write(target, weight_seed, d_even, index_even, mask_even, hyper, MODE)
+    _write(target, weight_seed, d_odd, index_odd, mask_odd, hyper, MODE)
+
+
+@triton.jit
+def _update(g, m, v, real, hyper):
+    """The AdamW rule on one half block: new moments (0 on padding, which the reference encodes
+    from zeros) and the direction, in ``slimopt.kernels``' order of operations."""
+    new1 = tl.load(hyper)
+    beta2 = tl.load(hyper + 1)
+    new2 = tl.load(hyper + 2)
+    eps = tl.load(hyper + 3)
+    correction1 = tl.load(hyper + 4)
+    correction2_sqrt = tl.load(hyper + 5)
+    # torch.lerp's two forms, chosen by the weight as it chooses them.
+    m = tl.where(new1 < 0.5, m + new1 * (g - m), g - (g - m) * (1 - new1))
+    v = v * beta2 + new2 * g * g
+    direction = m / (tl.sqrt(v) / correction2_sqrt + eps) / correction1
+    return tl.where(real, m, 0.0), tl.where(real, v, 0.0), direction
+
+
+@triton.jit
+def _write(target, weight_seed, direction, index, mask, hyper, MODE: tl.constexpr):
+    """The direction, or the parameter moved along it (``w·decay + alpha·direction``)."""
+    if MODE == DIRECTION_:
+        tl.store(target + index, direction, mask=mask)
+    else:
+        decay = tl.load(hyper + 6)
+        alpha = tl.load(hyper + 7)
+        updated = tl.load(target + index, mask=mask, other=0.0).to(tl.float32) * decay + alpha * direction
+        if MODE == WEIGHTS_FP32_:
+            tl.store(target + index, updated, mask=mask)
+        elif MODE == WEIGHTS_BF16_:
+            tl.store(target + index, _round_to_nearest_bf16(updated), mask=mask)
+        else:
+            tl.store(target + index, _round_to_bf16(updated, tl.load(weight_seed), index), mask=mask)
