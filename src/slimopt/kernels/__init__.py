@@ -23,6 +23,7 @@ import functools
 import importlib.util
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -158,19 +159,16 @@ def adamw_step(
         # Elementwise storage: the step runs on flat vectors of dynamic length, one compiled
         # step for every shape (matrix index arithmetic of symbolic width is slower).
         grad, weights = grad.view(-1), None if weights is None else weights.view(-1)
-    if is_in_torch_dispatch_mode(include_infra_modes=False):
-        # Under a mode that watches every operation (slimopt.memory.LiveBytes, counting a step's
-        # memory) dynamo cannot compile, and it would never try this function again: run it
-        # as it is, compiled the next time no mode watches.
-        direction = _adamw_step(grad, moments, storages, tables, hyper, weights, seeds)
-        return None if direction is None else direction.view(matrix)
-    for tensor in (grad, weights, *(t for parts in moments for t in parts.values())):
-        if tensor is not None:
-            for dim, size in enumerate(tensor.shape):
-                if size > 1:
-                    torch._dynamo.mark_dynamic(tensor, dim)
-    with torch._dynamo.config.patch(**COMPILE_SETTINGS):
-        direction = _compiled()(grad, moments, storages, tables, hyper, weights, seeds)
+    _mark_dynamic(grad, weights, *(t for parts in moments for t in parts.values()))
+    direction, deferred = _compiled(_adamw_step)(grad, moments, storages, tables, hyper, weights, seeds)
+    ternary = [pair for pair in zip(moments, storages, strict=True) if pair[1].kind == "ternary"]
+    for (value, seed), (parts, storage) in zip(deferred, ternary, strict=True):
+        _mark_dynamic(value)
+        normalized = _compiled(formats.ternary_scales)(value, parts, storage)
+        _mark_dynamic(normalized)
+        scaled = _compiled(formats.ternary_exponents)(normalized, parts, storage)
+        _mark_dynamic(scaled)
+        _compiled(formats.ternary_codes)(scaled, parts, seed)
     return None if direction is None else direction.view(matrix)
 
 
@@ -233,9 +231,35 @@ def triton_handles(storages: Storages) -> bool:
     return len(sizes) <= 1 and all(size % 2 == 0 for size in sizes)
 
 
+def _compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` compiled with ``COMPILE_SETTINGS``.
+
+    Under a mode that watches every operation (slimopt.memory.LiveBytes, counting a step's
+    memory) dynamo cannot compile, and it would never try the function again: it runs as it
+    is, compiled the next time no mode watches."""
+    if is_in_torch_dispatch_mode(include_infra_modes=False):
+        return function
+    compiled = _compile(function)
+
+    def call(*args: Any) -> Any:
+        with torch._dynamo.config.patch(**COMPILE_SETTINGS):
+            return compiled(*args)
+
+    return call
+
+
 @functools.cache
-def _compiled() -> Any:
-    return torch.compile(_adamw_step)
+def _compile(function: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(function)
+
+
+def _mark_dynamic(*tensors: Tensor | None) -> None:
+    """Mark every size of ``tensors`` dynamic: one compiled function serves every shape."""
+    for tensor in tensors:
+        if tensor is not None:
+            for dim, size in enumerate(tensor.shape):
+                if size > 1:
+                    torch._dynamo.mark_dynamic(tensor, dim)
 
 
 def _adamw_step(
@@ -246,7 +270,9 @@ def _adamw_step(
     hyper: Tensor,
     weights: Tensor | None,
     seeds: tuple[Tensor, ...],
-) -> Tensor | None:
+) -> tuple[Tensor | None, tuple[tuple[Tensor, Tensor], ...]]:
+    """``adamw_step``'s compiled part: it returns the direction (None with ``weights``) and, for
+    each ternary moment, its new value and stream, which the caller encodes in phases."""
     new1, beta2, new2, eps, correction1, correction2_sqrt, decay, alpha = hyper.unbind()
     streams = iter(seeds)
     grad_shape = shape = grad.shape
@@ -272,12 +298,17 @@ def _adamw_step(
         exp_avg, exp_avg_sq = exp_avg * real, exp_avg_sq * real
         direction = direction.reshape(-1)[:numel]
     direction = direction.reshape(grad_shape)
+    deferred = []
     for value, parts, storage, table in zip((exp_avg, exp_avg_sq), moments, storages, tables, strict=True):
-        formats.encode(value, parts, storage, table, next(streams) if storage.stochastic else None)
+        seed = next(streams) if storage.stochastic else None
+        if storage.kind == "ternary":
+            deferred.append((value, seed))  # the caller encodes it phase by phase (formats)
+        else:
+            formats.encode(value, parts, storage, table, seed)
     if weights is None:
-        return direction
+        return direction, tuple(deferred)
     target = weights.float() * decay + alpha * direction
     if weights.dtype == torch.bfloat16:
         target = formats.round_to_bf16(target, next(streams, None))
     weights.copy_(target)
-    return None
+    return None, tuple(deferred)

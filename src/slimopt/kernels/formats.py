@@ -144,6 +144,18 @@ def _encode_blockwise(
 
 
 def _encode_ternary(value: Tensor, parts: dict[str, Tensor], storage: Storage, seed: Tensor) -> None:
+    scaled = ternary_exponents(ternary_scales(value, parts, storage), parts, storage)
+    ternary_codes(scaled, parts, seed)
+
+
+# Ternary encoding in three phases, each one pass that ends in a reduction of its own shape:
+# rows and columns, blocks, bytes of five digits. Compiled as one function Inductor fuses the
+# phases into loops that recompute across them (6.2 ms for a 1376×520 matrix on 2 CPU cores);
+# compiled one by one, 1.5 ms.
+
+
+def ternary_scales(value: Tensor, parts: dict[str, Tensor], storage: Storage) -> Tensor:
+    """Phase 1: the row and column scales (written to ``parts``) and the matrix divided by them."""
     normalized = value.clamp(-FLOAT32_MAX, FLOAT32_MAX)
     if storage.row_scale:
         row = normalized.abs().amax(dim=1)
@@ -153,14 +165,24 @@ def _encode_ternary(value: Tensor, parts: dict[str, Tensor], storage: Storage, s
         col = normalized.abs().amax(dim=0)
         normalized = normalized / torch.where(col > 0, col, 1.0)
         parts["col"].copy_(col)
+    return normalized
+
+
+def ternary_exponents(normalized: Tensor, parts: dict[str, Tensor], storage: Storage) -> Tensor:
+    """Phase 2: each block's exponent (written to ``parts``) and the blocks divided by their
+    scales, flat, padded to whole blocks."""
     blocks = _pad(normalized.reshape(-1), storage.block_size)
     block_max = blocks.abs().amax(dim=1)
     exponents = torch.ceil(-EXPONENT_STEPS_PER_OCTAVE * torch.log2(block_max)).clamp(0, 255)
     exponents = torch.where(_exponent_scale(exponents) < block_max, exponents - 1, exponents)
     parts["exponents"].copy_(exponents.to(torch.uint8))
-    blocks = (blocks / _exponent_scale(exponents).unsqueeze(1)).reshape(-1)
-    draws = uniform_from_words(random_words(seed, draw_indices(blocks.numel(), blocks.device)))
-    digits = torch.where(draws < blocks.abs(), blocks.sign(), 0.0).add(1).int()
+    return (blocks / _exponent_scale(exponents).unsqueeze(1)).reshape(-1)
+
+
+def ternary_codes(scaled: Tensor, parts: dict[str, Tensor], seed: Tensor) -> None:
+    """Phase 3: the digits, stochastically rounded with draws of stream ``seed``, five to a byte."""
+    draws = uniform_from_words(random_words(seed, draw_indices(scaled.numel(), scaled.device)))
+    digits = torch.where(draws < scaled.abs(), scaled.sign(), 0.0).add(1).int()
     digits = torch.nn.functional.pad(digits, (0, -digits.numel() % TRITS_PER_BYTE)).view(-1, TRITS_PER_BYTE)
     packed = sum(digits[:, k] * 3**k for k in range(TRITS_PER_BYTE))
     parts["codes"].copy_(packed.to(torch.uint8))
