@@ -38,6 +38,8 @@ from slimopt.distributed import (
     row_sharding,
     split_by_rows,
 )
+from slimopt.finite import Decisions, finite_flags
+from slimopt.finite import read as finite_read
 from slimopt.projection import (
     PROJ_METHODS,
     PROJ_TYPES,
@@ -106,6 +108,7 @@ class GaLoreOptimizer(Optimizer):
         self._shardings: dict[Tensor, RowSharding | None] = {}  # DTensors split by rows
         self._layerwise: Any = None  # the active slimopt.layerwise handle
         self._refresh_group: Any = None  # spread_refreshes: the processes that share refresh work
+        self._decisions = Decisions()  # fused updates under finite flags not yet read (slimopt.finite)
         storage = {**STORAGE_DEFAULTS, "states": self.default_states}
         super().__init__(params, {**defaults, **PROJECTION_DEFAULTS, **storage, **options})
 
@@ -271,63 +274,74 @@ class GaLoreOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Whether each gradient is finite is decided for all parameters at once (one read on
-        # the host, and under FSDP2 one all-reduce per process group), not one by one.
+        self._settle_skips()
+        # Whether each gradient is finite is decided for all parameters at once (slimopt.finite):
+        # on the host in one read for the reference path, on the device for the fused path.
         pending = [
             (p, g, local_view(p.grad)) for g in self.param_groups for p in g["params"] if p.grad is not None
         ]
-        votes = self._finite_votes([(p, grad) for p, _, grad in pending])
+        decisions = self._decide([(p, g, grad) for p, g, grad in pending])
         ready = []
-        for (param, group, grad), finite in zip(pending, votes, strict=True):
+        for (param, group, grad), finite in zip(pending, decisions, strict=True):
             state = self.state[param]
             if not state:
                 self._init_state(param, group, state)
-            if not finite:
+            if finite is False:
                 self._skip(param, state, "non-finite gradient")
                 continue
             prepared = self.gradient_in_space(param, group, grad)
             if prepared is not None:
-                ready.append((param, group, *prepared))
-        # A finite gradient can overflow when projected: projected ones are voted on again.
-        projected = [(param, grad) for param, _, grad, basis in ready if basis is not None]
-        overflowed = {
-            id(p) for (p, _), ok in zip(projected, self._finite_votes(projected), strict=True) if not ok
-        }
-        for param, group, grad, basis in ready:
-            self.apply_update(param, group, grad, basis, finite=id(param) not in overflowed)
+                ready.append((param, group, *prepared, finite))
+        # A finite gradient can overflow when projected: projected ones are decided again.
+        projected = [index for index, entry in enumerate(ready) if entry[3] is not None]
+        again = self._decide([ready[i][:3] for i in projected])
+        decisions = [entry[4] for entry in ready]
+        for i, second in zip(projected, _both(decisions, projected, again), strict=True):
+            decisions[i] = second
+        for (param, group, grad, basis, _), finite in zip(ready, decisions, strict=True):
+            self.apply_update(param, group, grad, basis, finite=finite)
+        self._decisions.close_step()
+        if self._decisions.on_host():
+            self._settle_skips()
         return loss
 
-    def _finite_votes(self, entries: list[tuple[Tensor, Tensor]]) -> list[bool]:
-        """For each (parameter, gradient), whether the gradient is finite, agreed on by every
-        process holding a shard of the parameter. One multi-tensor norm per device and dtype
-        and one host read; a norm that overflowed is settled by the exact test."""
-        votes = [True] * len(entries)
-        kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for index, (_, grad) in enumerate(entries):
-            if not grad.is_meta and grad.numel() and not grad.is_sparse:
-                kinds.setdefault((grad.device, grad.dtype), []).append(index)
-            elif grad.is_sparse:
-                votes[index] = _all_finite(grad)
-        for indices in kinds.values():
-            tensors = [_real(entries[i][1]) for i in indices]
-            norms = torch.stack(torch._foreach_norm(tensors)).isfinite().tolist()
-            for i, tensor, quick in zip(indices, tensors, norms, strict=True):
-                votes[i] = quick or bool(torch.isfinite(tensor).all())
-        groups: dict[Any, list[int]] = {}
-        for index, (param, _) in enumerate(entries):
-            sharding = self._sharding(param)
-            if sharding is not None:
-                groups.setdefault(sharding.group, []).append(index)
-        for group, indices in groups.items():
-            flags = torch.tensor([int(votes[i]) for i in indices], dtype=torch.int64)
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=group)
-            for i, agreed in zip(indices, flags.tolist(), strict=True):
-                votes[i] = bool(agreed)
-        return votes
+    def _decide(self, entries: list[tuple[Tensor, dict[str, Any], Tensor]]) -> list[bool | Tensor]:
+        """For each (parameter, group, gradient), whether the gradient is finite: a bool read on
+        the host, or for a parameter on the fused path a flag left on the device (the fused
+        step masks its writes with it; ``_settle_skips`` counts it later)."""
+        flags = finite_flags([(p, _real(grad)) for p, _, grad in entries], self._sharding_group)
+        on_device = [self._decides_on_device(p, g) for p, g, _ in entries]
+        read = iter(finite_read([f for f, device in zip(flags, on_device, strict=True) if not device]))
+        return [
+            flag if device and flag is not None else True if device else next(read)
+            for flag, device in zip(flags, on_device, strict=True)
+        ]
+
+    def _decides_on_device(self, param: Tensor, group: dict[str, Any]) -> bool:
+        """Whether a step of ``param`` takes its non-finite decision on the device: on the fused
+        path, once its state exists (a first step creates the state on the host)."""
+        return self._fused(param, group) and "moment_step" in self.state[param]
+
+    def _sharding_group(self, param: Tensor) -> Any:
+        sharding = self._sharding(param)
+        return None if sharding is None else sharding.group
+
+    def _settle_skips(self) -> None:
+        """Count the fused updates that a device flag skipped as not taken, as the reference
+        path counts a skipped step (it neither advances the step nor ages the moments)."""
+        for param in self._decisions.skipped():
+            self._unstep(param, self.state[param])
+
+    def _unstep(self, param: Tensor, state: dict[str, Any]) -> None:
+        """Take back the count of a step that a non-finite gradient skipped, and report it."""
+        state["step"] -= 1
+        state["moment_step"] -= 1
+        self._skip(param, state, "non-finite gradient")
 
     def state_dict(self) -> dict[str, Any]:
         """The ``torch.optim`` state dict; raises ``RuntimeError`` halfway through a layer-wise
         accumulation, whose partial sums it could not hold."""
+        self._settle_skips()
         handle = getattr(self, "_layerwise", None)
         if handle is not None and handle.pending:
             raise RuntimeError(
@@ -345,6 +359,7 @@ class GaLoreOptimizer(Optimizer):
         its saved dtype: ``torch.optim.Optimizer`` would cast fp32 moments and bases of bf16
         parameters to bf16 and break exact resumption.
         """
+        self._settle_skips()  # counts of the steps before; the loaded ones replace them
         if not loading.is_slimopt_state_dict(state_dict):
             state_dict = loading.from_torch_adam(self, state_dict)
         state_dict = loading.fill_new_options(self, state_dict)
@@ -474,19 +489,23 @@ class GaLoreOptimizer(Optimizer):
         group: dict[str, Any],
         grad: Tensor,
         basis: Basis | None,
-        finite: bool | None = None,
+        finite: bool | Tensor | None = None,
     ) -> None:
         """Run the rule on ``grad`` (already in the basis' space) and update ``param``; skip the
         update when ``grad`` is not finite (``finite``: already decided by the caller, as
-        ``step()`` does for all parameters at once; None: decided here)."""
+        ``step()`` does for all parameters at once, possibly as a flag on the device for the
+        fused path; None: decided here)."""
         state = self.state[param]
         if finite is None:
             finite = self._agreed(param, _all_finite(grad))
-        if not finite:
+        keep = finite if isinstance(finite, Tensor) else None
+        if keep is not None and not self._decides_on_device(param, group):
+            finite, keep = bool(keep), None
+        if finite is False:
             self._skip(param, state, "non-finite gradient")
             return
         if self._by_row_slices(param, group):
-            self._apply_by_row_slices(param, group, grad)
+            self._apply_by_row_slices(param, group, grad, keep)
             return
         # Contiguous, so that moments created like it and the direction have a 2-D view.
         grad = grad.float().contiguous()
@@ -501,8 +520,13 @@ class GaLoreOptimizer(Optimizer):
             state["moment_step"] = 0
         age = self._advance(state)
         if self._fused(param, group) and self._fused_update(
-            param, group, state, grad, basis, layout, age, generator
+            param, group, state, grad, basis, layout, age, generator, keep
         ):
+            if keep is not None:
+                self._decisions.record(param, keep)
+            return
+        if keep is not None and not bool(keep):  # the fused step did not compile: decide here
+            self._unstep(param, state)
             return
         moments = self._decode_all(state, group, grad.shape, layout)
         direction = self.rule.direction(grad, {**state, **moments}, age, group)
@@ -531,24 +555,27 @@ class GaLoreOptimizer(Optimizer):
         layout: torch.Size,
         age: int,
         generator: torch.Generator | None,
+        keep: Tensor | None,
     ) -> bool:
-        """``apply_update``'s work through the fused step; False (nothing changed) when auto
-        mode could not compile it, so the reference path takes over."""
+        """``apply_update``'s work through the fused step, masked by the device flag ``keep``
+        when there is one; False (nothing changed) when auto mode could not compile it, so the
+        reference path takes over."""
         with _matrix_of(param) as weights:
             lr = self.rule.step_size(group, weights, state["step"])
             codecs = self._moment_codecs(group, layout)
             stored = {key: _stored_parts(state, key, codec.parts) for key, codec in codecs.items()}
             matrix = _as_matrix(grad)
             if basis is None:  # moments and weights in one fused step
-                done = self._fused_step(group, matrix, codecs, stored, age, lr, weights, generator)
+                done = self._fused_step(group, matrix, codecs, stored, age, lr, weights, generator, keep)
                 return done is not NOT_COMPILED
-            direction = self._fused_step(group, matrix, codecs, stored, age, lr, None, generator)
+            direction = self._fused_step(group, matrix, codecs, stored, age, lr, None, generator, keep)
             if direction is NOT_COMPILED:
                 return False
             rounding = generator if _rounds_stochastically(param, group) else None
+            decay = group["weight_decay"]
             for _, rows in slices_to_update(*weights.shape, meta=False):
                 _update_weights_projected(
-                    weights, direction, basis, rows, lr, group["scale"], group["weight_decay"], rounding
+                    weights, direction, basis, rows, lr, group["scale"], decay, rounding, keep
                 )
         return True
 
@@ -569,6 +596,7 @@ class GaLoreOptimizer(Optimizer):
         lr: float,
         weights: Tensor | None,
         generator: torch.Generator | None,
+        keep: Tensor | None = None,
     ) -> Tensor | None:
         """The rule's step through ``slimopt.kernels`` on the matrix ``grad``: moments stored by
         ``codecs`` in ``stored`` (updated in place) and ``weights`` (a contiguous matrix, updated
@@ -590,7 +618,7 @@ class GaLoreOptimizer(Optimizer):
         seeds = tuple(stream_seed(generator, device) for _ in range(draws))
         parts = tuple(stored[key] for key in keys)
         try:
-            return kernels.adamw_step(grad.contiguous(), parts, storages, tables, hyper, weights, seeds)
+            return kernels.adamw_step(grad.contiguous(), parts, storages, tables, hyper, weights, seeds, keep)
         except kernels.compile_failures() as error:
             if group["fused"] is True:
                 raise
@@ -612,14 +640,16 @@ class GaLoreOptimizer(Optimizer):
         shape = _values(param).shape if shape is None else shape
         return not self.projects(param, group) and self.rule.elementwise and sliced(shape)
 
-    def _apply_by_row_slices(self, param: Tensor, group: dict[str, Any], grad: Tensor) -> None:
+    def _apply_by_row_slices(
+        self, param: Tensor, group: dict[str, Any], grad: Tensor, keep: Tensor | None = None
+    ) -> None:
         """An elementwise rule on a large unprojected matrix, one slice of rows at a time; its
-        moments are stored by slices (``slimopt.codecs.rows``)."""
+        moments are stored by slices (``slimopt.codecs.rows``). ``keep``: as ``_fused_update``'s."""
         with _matrix_of(param) as weights:
-            self._update_by_row_slices(param, weights, group, _as_matrix(grad))
+            self._update_by_row_slices(param, weights, group, _as_matrix(grad), keep)
 
     def _update_by_row_slices(
-        self, param: Tensor, weights: Tensor, group: dict[str, Any], grad: Tensor
+        self, param: Tensor, weights: Tensor, group: dict[str, Any], grad: Tensor, keep: Tensor | None
     ) -> None:
         state = self.state[param]
         storages = self._row_storages(param, group)
@@ -640,10 +670,18 @@ class GaLoreOptimizer(Optimizer):
             if fused:
                 codecs = {key: storage.codecs[index][0] for key, storage in storages.items()}
                 parts = {key: storage.parts(stored[key], index) for key, storage in storages.items()}
-                done = self._fused_step(group, slice_grad, codecs, parts, age, lr, weights[rows], generator)
+                done = self._fused_step(
+                    group, slice_grad, codecs, parts, age, lr, weights[rows], generator, keep
+                )
                 if done is not NOT_COMPILED:
                     continue
                 fused = False
+            if keep is not None:
+                # The fused step did not compile: decide on the host (earlier slices were masked).
+                if not bool(keep):
+                    self._unstep(param, state)
+                    return
+                keep = None
             if first:
                 moments = self.rule.init_state(slice_grad, group, projected=False)
             else:
@@ -652,6 +690,8 @@ class GaLoreOptimizer(Optimizer):
             for key, storage in storages.items():
                 storage.encode(stored[key], index, moments[key], generator)
             _update_weights(weights[rows], direction, lr, 1.0, group["weight_decay"], rounding)
+        if keep is not None:
+            self._decisions.record(param, keep)
 
     def _row_storages(
         self, param: Tensor, group: dict[str, Any], shape: torch.Size | None = None
@@ -906,6 +946,22 @@ class GaLoreOptimizer(Optimizer):
         )
 
 
+def _both(first: list[bool | Tensor], indices: list[int], second: list[bool | Tensor]) -> list[bool | Tensor]:
+    """For each index, ``first[index]`` and the matching ``second`` decision combined: host
+    bools by ``and``, device flags in one vector operation for all of them (not one per
+    parameter)."""
+    pairs = [(first[i], flag) for i, flag in zip(indices, second, strict=True)]
+    on_device = [k for k, (a, b) in enumerate(pairs) if isinstance(a, Tensor) and isinstance(b, Tensor)]
+    combined: list[bool | Tensor] = [
+        False if a is False or b is False else b if a is True else a for a, b in pairs
+    ]
+    if on_device:
+        vector = torch.stack([pairs[k][0] for k in on_device]) & torch.stack([pairs[k][1] for k in on_device])
+        for position, k in enumerate(on_device):
+            combined[k] = vector[position]
+    return combined
+
+
 def decoded_state(optimizer: GaLoreOptimizer, param: Tensor) -> dict[str, Tensor]:
     """The fp32 moments of ``param`` in ``optimizer``, whatever their storage format: in the
     parameter's shape, or a projected matrix's rank-r space (see
@@ -1003,16 +1059,20 @@ def _update_weights_projected(
     scale: float,
     weight_decay: float,
     generator: torch.Generator | None = None,
+    keep: Tensor | None = None,
 ) -> None:
     """``_update_weights`` of ``rows`` of a projected matrix, with the direction projected back
-    into them by one ``addmm_`` (no rows×n temporary); rounded once into bf16 ``weights``."""
+    into them by one ``addmm_`` (no rows×n temporary); rounded once into bf16 ``weights``.
+    ``keep``: the fused step's device flag; where False the direction is zero, and the decay
+    is skipped too, so the weights stay as they are."""
     part = weights[rows]
     if isinstance(lr, Tensor):  # a step size on the device: addmm_ takes only numbers
         _update_weights(part, project_back(direction, basis, rows), lr, scale, weight_decay, generator)
         return
     target = part if part.dtype == torch.float32 else part.float()
     if weight_decay != 0:
-        target.mul_(1 - lr * weight_decay)
+        decay = 1 - lr * weight_decay
+        target.mul_(decay if keep is None else torch.where(keep, decay, 1.0))
     add_projected_back(target, direction, basis, rows, alpha=-lr * scale)
     if target is part:
         return

@@ -139,6 +139,7 @@ def adamw_step(
     hyper: Tensor,
     weights: Tensor | None,
     seeds: tuple[Tensor, ...] = (),
+    keep: Tensor | None = None,
 ) -> Tensor | None:
     """One AdamW step of the fp32 matrix ``grad`` (rows × columns, contiguous): both moments
     (stored parts by name, updated in place) and, with ``weights`` (the parameter's matrix,
@@ -149,26 +150,31 @@ def adamw_step(
     constants, so the compiled step is built once. ``tables`` are each blockwise moment's map,
     midpoints and first codes. ``seeds`` are the streams (``slimopt.codecs.draws``) of the
     stochastic roundings, in the reference path's order: each stochastic moment's, then the
-    weights' when there is one more (bf16 weights rounded stochastically)."""
+    weights' when there is one more (bf16 weights rounded stochastically).
+
+    ``keep``: a one-element bool tensor on the device, whether the gradient is finite. Where it
+    is False nothing stored changes and the direction is zero: a non-finite gradient is skipped
+    without the host reading the decision (no synchronisation)."""
     matrix = grad.shape
     if grad.device.type in TRITON_DEVICE_TYPES and triton_handles(storages):
         from slimopt.kernels import triton_adamw
 
-        return triton_adamw.adamw_step(grad, moments, storages, tables, hyper, weights, seeds)
+        return triton_adamw.adamw_step(grad, moments, storages, tables, hyper, weights, seeds, keep)
     if not any(storage.kind in formats.MATRIX_KINDS for storage in storages):
         # Elementwise storage: the step runs on flat vectors of dynamic length, one compiled
         # step for every shape (matrix index arithmetic of symbolic width is slower).
         grad, weights = grad.view(-1), None if weights is None else weights.view(-1)
     _mark_dynamic(grad, weights, *(t for parts in moments for t in parts.values()))
-    direction, deferred = _compiled(_adamw_step)(grad, moments, storages, tables, hyper, weights, seeds)
+    step = _compiled(_adamw_step)
+    direction, deferred = step(grad, moments, storages, tables, hyper, weights, seeds, keep)
     ternary = [pair for pair in zip(moments, storages, strict=True) if pair[1].kind == "ternary"]
     for (value, seed), (parts, storage) in zip(deferred, ternary, strict=True):
         _mark_dynamic(value)
-        normalized = _compiled(formats.ternary_scales)(value, parts, storage)
+        normalized = _compiled(formats.ternary_scales)(value, parts, storage, keep)
         _mark_dynamic(normalized)
-        scaled = _compiled(formats.ternary_exponents)(normalized, parts, storage)
+        scaled = _compiled(formats.ternary_exponents)(normalized, parts, storage, keep)
         _mark_dynamic(scaled)
-        _compiled(formats.ternary_codes)(scaled, parts, seed)
+        _compiled(formats.ternary_codes)(scaled, parts, seed, keep)
     return None if direction is None else direction.view(matrix)
 
 
@@ -270,6 +276,7 @@ def _adamw_step(
     hyper: Tensor,
     weights: Tensor | None,
     seeds: tuple[Tensor, ...],
+    keep: Tensor | None,
 ) -> tuple[Tensor | None, tuple[tuple[Tensor, Tensor], ...]]:
     """``adamw_step``'s compiled part: it returns the direction (None with ``weights``) and, for
     each ternary moment, its new value and stream, which the caller encodes in phases."""
@@ -304,11 +311,11 @@ def _adamw_step(
         if storage.kind == "ternary":
             deferred.append((value, seed))  # the caller encodes it phase by phase (formats)
         else:
-            formats.encode(value, parts, storage, table, seed)
+            formats.encode(value, parts, storage, table, seed, keep)
     if weights is None:
-        return direction, tuple(deferred)
+        return direction if keep is None else torch.where(keep, direction, 0.0), tuple(deferred)
     target = weights.float() * decay + alpha * direction
     if weights.dtype == torch.bfloat16:
         target = formats.round_to_bf16(target, next(streams, None))
-    weights.copy_(target)
+    formats.store(weights, target, keep)
     return None, tuple(deferred)

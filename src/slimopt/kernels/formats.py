@@ -92,27 +92,38 @@ def decode(
 
 
 def encode(
-    value: Tensor, parts: dict[str, Tensor], storage: Storage, table: tuple[Tensor, ...], seed: Tensor
+    value: Tensor,
+    parts: dict[str, Tensor],
+    storage: Storage,
+    table: tuple[Tensor, ...],
+    seed: Tensor,
+    keep: Tensor | None = None,
 ) -> None:
     """Write the fp32 matrix ``value`` into the stored parts (in place); ``seed``: the stream of
-    a stochastic format's draws (unused by the others)."""
+    a stochastic format's draws (unused by the others). ``keep``: a one-element bool tensor;
+    where it is False every part keeps what it holds (a step skipped on the device)."""
     if storage.kind == "fp32":
-        parts[""].view(value.shape).copy_(value)
+        store(parts[""].view(value.shape), value, keep)
     elif storage.kind == "bf16":
-        parts[""].view(value.shape).copy_(round_to_bf16(value, seed))
+        store(parts[""].view(value.shape), round_to_bf16(value, seed), keep)
     elif storage.kind == "factored":
         ceiling = FLOAT32_MAX / max(value.shape[0], value.shape[1])
-        parts["row"].copy_(value.mean(dim=-1).clamp(max=ceiling))
-        parts["col"].copy_(value.mean(dim=-2).clamp(max=ceiling))
+        store(parts["row"], value.mean(dim=-1).clamp(max=ceiling), keep)
+        store(parts["col"], value.mean(dim=-2).clamp(max=ceiling), keep)
     elif storage.kind == "blockwise":
         blocks = (
             value
             if value.shape == blocks_shape(parts, storage)
             else _pad(value.reshape(-1), storage.block_size)
         )
-        _encode_blockwise(blocks, parts, storage, table)
+        _encode_blockwise(blocks, parts, storage, table, keep)
     else:
-        _encode_ternary(value, parts, storage, seed)
+        _encode_ternary(value, parts, storage, seed, keep)
+
+
+def store(target: Tensor, value: Tensor, keep: Tensor | None) -> None:
+    """``target`` ← ``value``, unless the one-element bool ``keep`` is False (then unchanged)."""
+    target.copy_(value if keep is None else torch.where(keep, value, target))
 
 
 def blocks_shape(parts: dict[str, Tensor], storage: Storage) -> torch.Size:
@@ -127,7 +138,7 @@ def round_to_bf16(value: Tensor, seed: Tensor | None) -> Tensor:
 
 
 def _encode_blockwise(
-    blocks: Tensor, parts: dict[str, Tensor], storage: Storage, table: tuple[Tensor, ...]
+    blocks: Tensor, parts: dict[str, Tensor], storage: Storage, table: tuple[Tensor, ...], keep: Tensor | None
 ) -> None:
     _, midpoints, first_codes = table
     absmax = blocks.abs().amax(dim=1).clamp(max=FLOAT32_MAX)
@@ -139,13 +150,15 @@ def _encode_blockwise(
         codes = torch.where((normalized > 0) & (codes == storage.zero_code), storage.zero_code + 1, codes)
     if storage.bits == 4:
         codes = codes[0::2] | (codes[1::2] << 4)
-    parts["codes"].view(-1).copy_(codes.to(torch.uint8))
-    parts["absmax"].copy_(absmax)
+    store(parts["codes"].view(-1), codes.to(torch.uint8), keep)
+    store(parts["absmax"], absmax, keep)
 
 
-def _encode_ternary(value: Tensor, parts: dict[str, Tensor], storage: Storage, seed: Tensor) -> None:
-    scaled = ternary_exponents(ternary_scales(value, parts, storage), parts, storage)
-    ternary_codes(scaled, parts, seed)
+def _encode_ternary(
+    value: Tensor, parts: dict[str, Tensor], storage: Storage, seed: Tensor, keep: Tensor | None
+) -> None:
+    scaled = ternary_exponents(ternary_scales(value, parts, storage, keep), parts, storage, keep)
+    ternary_codes(scaled, parts, seed, keep)
 
 
 # Ternary encoding in three phases, each one pass that ends in a reduction of its own shape:
@@ -154,38 +167,41 @@ def _encode_ternary(value: Tensor, parts: dict[str, Tensor], storage: Storage, s
 # compiled one by one, 1.5 ms.
 
 
-def ternary_scales(value: Tensor, parts: dict[str, Tensor], storage: Storage) -> Tensor:
-    """Phase 1: the row and column scales (written to ``parts``) and the matrix divided by them."""
+def ternary_scales(value: Tensor, parts: dict[str, Tensor], storage: Storage, keep: Tensor | None) -> Tensor:
+    """Phase 1: the row and column scales (written to ``parts``) and the matrix divided by them.
+    (``keep``, in every phase: as ``encode``'s.)"""
     normalized = value.clamp(-FLOAT32_MAX, FLOAT32_MAX)
     if storage.row_scale:
         row = normalized.abs().amax(dim=1)
         normalized = normalized / torch.where(row > 0, row, 1.0).unsqueeze(1)
-        parts["row"].copy_(row)
+        store(parts["row"], row, keep)
     if storage.col_scale:
         col = normalized.abs().amax(dim=0)
         normalized = normalized / torch.where(col > 0, col, 1.0)
-        parts["col"].copy_(col)
+        store(parts["col"], col, keep)
     return normalized
 
 
-def ternary_exponents(normalized: Tensor, parts: dict[str, Tensor], storage: Storage) -> Tensor:
+def ternary_exponents(
+    normalized: Tensor, parts: dict[str, Tensor], storage: Storage, keep: Tensor | None
+) -> Tensor:
     """Phase 2: each block's exponent (written to ``parts``) and the blocks divided by their
     scales, flat, padded to whole blocks."""
     blocks = _pad(normalized.reshape(-1), storage.block_size)
     block_max = blocks.abs().amax(dim=1)
     exponents = torch.ceil(-EXPONENT_STEPS_PER_OCTAVE * torch.log2(block_max)).clamp(0, 255)
     exponents = torch.where(_exponent_scale(exponents) < block_max, exponents - 1, exponents)
-    parts["exponents"].copy_(exponents.to(torch.uint8))
+    store(parts["exponents"], exponents.to(torch.uint8), keep)
     return (blocks / _exponent_scale(exponents).unsqueeze(1)).reshape(-1)
 
 
-def ternary_codes(scaled: Tensor, parts: dict[str, Tensor], seed: Tensor) -> None:
+def ternary_codes(scaled: Tensor, parts: dict[str, Tensor], seed: Tensor, keep: Tensor | None) -> None:
     """Phase 3: the digits, stochastically rounded with draws of stream ``seed``, five to a byte."""
     draws = uniform_from_words(random_words(seed, draw_indices(scaled.numel(), scaled.device)))
     digits = torch.where(draws < scaled.abs(), scaled.sign(), 0.0).add(1).int()
     digits = torch.nn.functional.pad(digits, (0, -digits.numel() % TRITS_PER_BYTE)).view(-1, TRITS_PER_BYTE)
     packed = sum(digits[:, k] * 3**k for k in range(TRITS_PER_BYTE))
-    parts["codes"].copy_(packed.to(torch.uint8))
+    store(parts["codes"], packed.to(torch.uint8), keep)
 
 
 def _exponent_scale(exponents: Tensor) -> Tensor:

@@ -49,6 +49,7 @@ def adamw_step(
     hyper: Tensor,
     weights: Tensor | None,
     seeds: tuple[Tensor, ...],
+    keep: Tensor | None = None,
 ) -> Tensor | None:
     """``slimopt.kernels.adamw_step`` for storages that ``slimopt.kernels.triton_handles``
     accepts: the same arguments (flat or matrix tensors, contiguous), the direction returned
@@ -81,6 +82,7 @@ def adamw_step(
         target,
         weight_seed,
         hyper,
+        hyper if keep is None else keep,
         numel,
         *args,
         M_KIND=kinds[0],
@@ -90,6 +92,7 @@ def adamw_step(
         V_FLOOR=storages[1].positive_floor,
         V_ZERO=storages[1].zero_code,
         MODE=mode,
+        MASKED=keep is not None,
         HALF=block // 2,
     )
     return direction
@@ -174,11 +177,16 @@ def _encode(
     mask_even,
     mask_odd,
     program,
+    writes,
     KIND: tl.constexpr,
     FLOOR: tl.constexpr,
     ZERO: tl.constexpr,
 ):
-    """Store both halves of a program's block of a moment (padding elements arrive as 0)."""
+    """Store both halves of a program's block of a moment (padding elements arrive as 0), if
+    ``writes``."""
+    mask_even = _and(mask_even, writes)
+    mask_odd = _and(mask_odd, writes)
+    whole = _and(pair >= 0, writes)
     if KIND == FP32_:
         tl.store(values + index_even, even, mask=mask_even)
         tl.store(values + index_odd, odd, mask=mask_odd)
@@ -192,11 +200,11 @@ def _encode(
         code_even = _nearest_codes(even / divisor, midpoints, first_codes, FLOOR, ZERO)
         code_odd = _nearest_codes(odd / divisor, midpoints, first_codes, FLOOR, ZERO)
         if KIND == BLOCKS8_:
-            tl.store(values + index_even, code_even.to(tl.uint8))
-            tl.store(values + index_odd, code_odd.to(tl.uint8))
+            tl.store(values + index_even, code_even.to(tl.uint8), mask=whole)
+            tl.store(values + index_odd, code_odd.to(tl.uint8), mask=whole)
         else:
-            tl.store(values + pair, (code_even | (code_odd << 4)).to(tl.uint8))
-        tl.store(absmax + program, scale)
+            tl.store(values + pair, (code_even | (code_odd << 4)).to(tl.uint8), mask=whole)
+        tl.store(absmax + program, scale, mask=writes != 0)
 
 
 @triton.jit
@@ -205,6 +213,7 @@ def _adamw_kernel(
     target,
     weight_seed,
     hyper,
+    keep,
     numel,
     m_values,
     m_absmax,
@@ -225,6 +234,7 @@ def _adamw_kernel(
     V_FLOOR: tl.constexpr,
     V_ZERO: tl.constexpr,
     MODE: tl.constexpr,
+    MASKED: tl.constexpr,
     HALF: tl.constexpr,
 ):
     program = tl.program_id(0)
@@ -233,6 +243,9 @@ def _adamw_kernel(
     index_odd = index_even + 1
     mask_even = index_even < numel
     mask_odd = index_odd < numel
+    # A skipped step (a non-finite gradient, decided on the device) stores nothing but a zero
+    # direction: every store below is masked by it.
+    writes = tl.load(keep).to(tl.int32) if MASKED else program * 0 + 1
     m_even, v_even, d_even = _update(
         tl.load(grad + index_even, mask=mask_even, other=0.0),
         _decode(m_values, m_absmax, m_map, index_even, pair, mask_even, program, M_KIND, False),
@@ -247,14 +260,21 @@ def _adamw_kernel(
     )  # fmt: skip
     _encode(
         m_even, m_odd, m_values, m_absmax, m_midpoints, m_first_codes, m_seed,
-        index_even, index_odd, pair, mask_even, mask_odd, program, M_KIND, M_FLOOR, M_ZERO,
+        index_even, index_odd, pair, mask_even, mask_odd, program, writes, M_KIND, M_FLOOR, M_ZERO,
     )  # fmt: skip
     _encode(
         v_even, v_odd, v_values, v_absmax, v_midpoints, v_first_codes, v_seed,
-        index_even, index_odd, pair, mask_even, mask_odd, program, V_KIND, V_FLOOR, V_ZERO,
+        index_even, index_odd, pair, mask_even, mask_odd, program, writes, V_KIND, V_FLOOR, V_ZERO,
     )  # fmt: skip
-    _write(target, weight_seed, d_even, index_even, mask_even, hyper, MODE)
-    _write(target, weight_seed, d_odd, index_odd, mask_odd, hyper, MODE)
+    _write(target, weight_seed, d_even, index_even, mask_even, hyper, writes, MODE)
+    _write(target, weight_seed, d_odd, index_odd, mask_odd, hyper, writes, MODE)
+
+
+@triton.jit
+def _and(mask, writes):
+    """``mask`` where ``writes`` (0 or 1) is 1. (Triton's interpreter rejects a block mask
+    and-ed with a scalar one.)"""
+    return (mask.to(tl.int32) * writes) != 0
 
 
 @triton.jit
@@ -275,11 +295,13 @@ def _update(g, m, v, real, hyper):
 
 
 @triton.jit
-def _write(target, weight_seed, direction, index, mask, hyper, MODE: tl.constexpr):
-    """The direction, or the parameter moved along it (``w·decay + alpha·direction``)."""
+def _write(target, weight_seed, direction, index, mask, hyper, writes, MODE: tl.constexpr):
+    """The direction (zero unless ``writes`` is 1), or the parameter moved along it (``w·decay +
+    alpha·direction``, if ``writes`` is 1)."""
     if MODE == DIRECTION_:
-        tl.store(target + index, direction, mask=mask)
+        tl.store(target + index, tl.where(writes != 0, direction, 0.0), mask=mask)
     else:
+        mask = _and(mask, writes)
         decay = tl.load(hyper + 6)
         alpha = tl.load(hyper + 7)
         updated = tl.load(target + index, mask=mask, other=0.0).to(tl.float32) * decay + alpha * direction

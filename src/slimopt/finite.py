@@ -1,0 +1,116 @@
+"""Whether gradients are finite, decided without stalling the device.
+
+A step computes one flag per gradient on the gradient's device: its infinity norm (the largest
+magnitude, which cannot overflow, and is NaN when any element is) is finite. Parameters on the
+reference path read their flags on the host, all in one read. Parameters on the fused path pass
+theirs into the fused step, which stores nothing and moves nothing when it is False; the host
+counts the step as taken and learns the decision later (``Decisions``): at once on the CPU,
+where reading costs nothing, and on CUDA at the next ``step()`` or ``state_dict()``, from a copy
+started asynchronously after the step, by which time the device is long done with it. A step
+of the fused path therefore issues no synchronisation, and a skipped step ends up counted as on
+the reference path: not at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def finite_flags(
+    entries: list[tuple[Tensor, Tensor]], group_of: Callable[[Tensor], Any]
+) -> list[Tensor | None]:
+    """For each (parameter, gradient: real, a complex one as its real pairs), a one-element
+    bool tensor on the gradient's device:
+    whether every element is finite, agreed on (all-reduced) by the processes of
+    ``group_of(parameter)`` when it is not None (the shards of one parameter). None: nothing
+    to decide (a meta, sparse or empty gradient that no other process shares)."""
+    flags: list[Tensor | None] = [None] * len(entries)
+    kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, (_, grad) in enumerate(entries):
+        if not grad.is_meta and not grad.is_sparse and grad.numel():
+            kinds.setdefault((grad.device, grad.dtype), []).append(index)
+    for indices in kinds.values():
+        tensors = [entries[i][1] for i in indices]
+        vector = torch.stack(torch._foreach_norm(tensors, ord=math.inf)).isfinite()
+        for position, index in enumerate(indices):
+            flags[index] = vector[position]
+    shared: dict[Any, list[int]] = {}
+    for index, (param, _) in enumerate(entries):
+        group = group_of(param)
+        if group is not None:
+            shared.setdefault(group, []).append(index)
+    for group, indices in shared.items():
+        device = entries[indices[0]][0].device
+        votes = torch.stack([_flag_or_true(flags[i], device) for i in indices]).to(torch.int32)
+        torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.MIN, group=group)
+        agreed = votes.bool()
+        for position, index in enumerate(indices):
+            flags[index] = agreed[position]
+    return flags
+
+
+def read(flags: list[Tensor | None]) -> list[bool]:
+    """The flags on the host (None reads as True), in one read per device."""
+    values = [True] * len(flags)
+    by_device: dict[torch.device, list[int]] = {}
+    for index, flag in enumerate(flags):
+        if flag is not None:
+            by_device.setdefault(flag.device, []).append(index)
+    for indices in by_device.values():
+        for index, value in zip(indices, torch.stack([flags[i] for i in indices]).tolist(), strict=True):
+            values[index] = bool(value)
+    return values
+
+
+class Decisions:
+    """Flags of fused updates taken before the host knew them, and their parameters."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Tensor, Tensor]] = []
+        self._copies: list[tuple[list[Tensor], Tensor, Any]] = []
+
+    def record(self, param: Tensor, flag: Tensor) -> None:
+        """Remember that ``param`` was updated under ``flag`` (masked where it is False)."""
+        self._pending.append((param, flag))
+
+    def close_step(self) -> None:
+        """Start reading this step's flags: an asynchronous copy to the host on CUDA."""
+        by_device: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
+        for param, flag in self._pending:
+            by_device.setdefault(flag.device, []).append((param, flag))
+        self._pending = []
+        for device, pairs in by_device.items():
+            stacked = torch.stack([flag for _, flag in pairs])
+            event = None
+            if device.type == "cuda":
+                stacked = stacked.to("cpu", non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            self._copies.append(([param for param, _ in pairs], stacked, event))
+
+    def skipped(self) -> list[Tensor]:
+        """The parameters whose recorded flag was False, each once per skipped update; waits
+        only for the copies started by ``close_step`` (an earlier step's work)."""
+        self.close_step()
+        skipped = []
+        for params, stacked, event in self._copies:
+            if event is not None:
+                event.synchronize()
+            skipped += [param for param, flag in zip(params, stacked.tolist(), strict=True) if not flag]
+        self._copies = []
+        return skipped
+
+    def on_host(self) -> bool:
+        """Whether every flag is already on the host (CPU tensors): reading them waits for nothing."""
+        return all(event is None for _, _, event in self._copies) and all(
+            flag.device.type == "cpu" for _, flag in self._pending
+        )
+
+
+def _flag_or_true(flag: Tensor | None, device: torch.device) -> Tensor:
+    return flag if flag is not None else torch.ones((), dtype=torch.bool, device=device)

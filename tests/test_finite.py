@@ -1,0 +1,118 @@
+"""Non-finite gradients decided on the device (``slimopt.finite``): the fused path masks its
+writes with a flag the host reads later, and ends up where the reference path, which reads it
+at once, is: the same weights, moments, step counts, skip counts and warnings."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.profiler import profile
+
+import slimopt
+from slimopt.finite import Decisions, finite_flags, read
+
+
+def _nonfinite_run(name: str, fused: bool, dtype: torch.dtype, **options):
+    """Five steps of a small model; step 2 gives one matrix a NaN and the bias an inf gradient,
+    step 3 gives the other matrix an overflowing one (finite, but inf once squared)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 80), torch.nn.Linear(80, 72, bias=False)).to(dtype)
+    optimizer = slimopt.build_optimizer(model, name, lr=1e-2, fused=fused, **options)
+    generator = torch.Generator().manual_seed(1)
+    caught = []
+    for step in range(5):
+        for param in model.parameters():
+            param.grad = torch.randn(param.shape, generator=generator).to(dtype)
+        if step == 2:
+            model[0].weight.grad[3, 4] = float("nan")
+            model[0].bias.grad[0] = float("inf")
+        if step == 3:
+            model[1].weight.grad[0, 0] = 3e38 if dtype == torch.float32 else float("inf")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            optimizer.step()
+            state = optimizer.state_dict()  # settles any decision still on the device
+        caught += [str(w.message) for w in seen if "non-finite" in str(w.message)]
+    params = [p.detach().float().clone() for p in model.parameters()]
+    counts = [(s["step"], s["moment_step"], s["nonfinite_skips"]) for s in state["state"].values()]
+    return params, counts, sorted(caught), optimizer
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("adamw", {}), ("adamw8bit", {}), ("adamw_ternary", {}), ("galore_adamw8bit", {"rank": 8})],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_fused_path_skips_on_the_device_as_the_reference_path_skips(
+    name, options, dtype, fused_backend
+) -> None:
+    if fused_backend.name == "triton" and name == "adamw_ternary":
+        pytest.skip("ternary storage has no Triton kernel: the compiled step covers it")
+    reference, ref_counts, ref_warnings, _ = _nonfinite_run(name, False, dtype, **options)
+    fused, counts, seen, optimizer = _nonfinite_run(name, True, dtype, **options)
+    assert optimizer.fused_path == ["fused"] * len(optimizer.param_groups)
+    assert counts == ref_counts and any(skips for _, _, skips in counts)
+    assert seen == ref_warnings and seen
+    for ours, theirs in zip(fused, reference, strict=True):
+        assert torch.isfinite(ours).all()
+        assert ((ours - theirs).norm() / theirs.norm()).item() < (1e-5 if dtype == torch.float32 else 1e-4)
+    fused_backend.check()
+
+
+def test_a_skipped_update_changes_nothing_stored() -> None:
+    """A NaN gradient on the fused path: every stored tensor and the weights stay bit for bit."""
+    weight = torch.nn.Parameter(torch.randn(128, 64))
+    optimizer = slimopt.AdamWTernary([weight], lr=1e-3, weight_decay=0.1, fused=True)
+    weight.grad = torch.randn(128, 64)
+    optimizer.step()
+    stored = {k: v.clone() for k, v in optimizer.state[weight].items() if isinstance(v, torch.Tensor)}
+    before = weight.detach().clone()
+    weight.grad = torch.full((128, 64), float("nan"))
+    with pytest.warns(RuntimeWarning, match="non-finite gradient; update skipped"):
+        optimizer.step()
+    assert torch.equal(weight, before)
+    for key, value in stored.items():
+        assert torch.equal(optimizer.state[weight][key], value), key
+    assert optimizer.state[weight]["step"] == 1 and optimizer.state[weight]["nonfinite_skips"] == 1
+
+
+def test_the_host_learns_a_skip_only_later_and_the_step_reads_nothing(monkeypatch) -> None:
+    """As on CUDA, where the flags' copy to the host completes after the step: the step counts
+    optimistically and reads no value from a tensor; the next step (or state_dict) reads the
+    flags, takes the skipped step back and warns."""
+    monkeypatch.setattr(Decisions, "on_host", lambda self: False)
+    weight = torch.nn.Parameter(torch.randn(96, 80))
+    optimizer = slimopt.AdamW8bit([weight], lr=1e-2, fused=True)
+    weight.grad = torch.randn(96, 80)
+    optimizer.step()
+    optimizer.step()  # the first step decides on the host (it creates the state); this one does not
+    weight.grad = torch.full((96, 80), float("nan"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with profile() as prof:
+            optimizer.step()
+    reads = [e.name for e in prof.events() if e.name in ("aten::_local_scalar_dense", "aten::item")]
+    assert reads == []
+    assert optimizer.state[weight]["step"] == 3  # not known yet
+    weight.grad = torch.randn(96, 80)
+    with pytest.warns(RuntimeWarning, match="at step 2: non-finite gradient; update skipped"):
+        optimizer.step()
+    assert optimizer.state[weight]["step"] == 3 and optimizer.state[weight]["nonfinite_skips"] == 1
+    weight.grad = torch.full((96, 80), float("inf"))
+    optimizer.step()
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+        state = optimizer.state_dict()
+    assert state["state"][0]["step"] == 3 and state["state"][0]["nonfinite_skips"] == 2
+
+
+def test_flags_are_exact_where_a_norm_would_overflow() -> None:
+    """The infinity norm cannot overflow: 1e30 everywhere is finite (its 2-norm is not)."""
+    big = torch.full((64, 64), 1e30)
+    nan = torch.zeros(5)
+    nan[4] = float("nan")
+    entries = [(t, t) for t in (big, nan, torch.tensor([float("-inf")]), torch.zeros(0), big.bfloat16())]
+    flags = finite_flags(entries, lambda param: None)
+    assert read(flags) == [True, False, False, True, True]
+    assert flags[3] is None
