@@ -1,6 +1,7 @@
 """Which weights ``build_optimizer`` projects in model families other than LLaMA (configs built
 offline, no downloads): GPT-2's transposed ``Conv1D`` layers, tied embeddings, mixture-of-experts
-weights stacked in 3-D tensors; and ``slimopt.describe``, which says what was chosen."""
+weights stacked in 3-D tensors (projected expert by expert); and ``slimopt.describe``, which says
+what was chosen."""
 
 from __future__ import annotations
 
@@ -79,15 +80,16 @@ def test_a_named_side_of_a_conv1d_weight_is_the_linear_layers_side() -> None:
     assert isinstance(basis, Basis) and basis.left is None and tuple(basis.right.shape) == (8, 256)
 
 
-def test_gpt2_trains_with_every_registry_optimizer() -> None:
+@pytest.mark.parametrize("family", ["gpt2", "mixtral", "qwen2_tied"])
+def test_every_family_trains_with_every_registry_optimizer(family) -> None:
     for name in slimopt.available_optimizers():
         torch.manual_seed(0)
-        model = gpt2()
+        model = {"gpt2": gpt2, "mixtral": mixtral, "qwen2_tied": qwen2_tied}[family]()
         options = {"rank": 8} if name.startswith("galore") else {}
         optimizer = slimopt.build_optimizer(model, name, lr=1e-3, **options)
         tokens = torch.randint(0, 128, (2, 16))
         for _ in range(2):
-            loss = model(tokens, labels=tokens).loss
+            loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -103,21 +105,131 @@ def test_tied_embedding_appears_once() -> None:
     assert any(p is model.lm_head.weight for p in params)
 
 
-def test_stacked_expert_weights_are_not_projected_and_it_is_said() -> None:
+def test_stacked_expert_weights_are_projected_per_expert() -> None:
     model = mixtral()
-    with pytest.warns(UserWarning, match=r"mlp\.experts\.gate_up_proj \(4, 192, 64\).*not projected"):
-        optimizer = slimopt.build_optimizer(model, "galore_adamw", lr=1e-3, rank=8)
-    projected = _projected_names(model, optimizer)
-    assert not any("experts" in name for name in projected)
-    assert "model.layers.0.self_attn.q_proj.weight" in projected
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        slimopt.build_optimizer(model, "adamw", lr=1e-3)  # nothing projects: nothing to say
+        optimizer = slimopt.build_optimizer(model, "galore_adamw", lr=1e-3, rank=8)
+    projected = _projected_names(model, optimizer)
+    assert {name for name, group in projected.items() if group == "projected_experts"} == {
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
+    }
+    assert "model.layers.0.self_attn.q_proj.weight" in projected
+    group = next(g for g in optimizer.param_groups if g["name"] == "projected_experts")
+    assert group["experts"] and group["rank"] == 8
+    described = slimopt.describe(optimizer, model)
+    assert "model.layers.0.mlp.experts.gate_up_proj  4×192×64  basis right 8×64 per expert (4)" in described
 
 
-def test_selecting_expert_weights_by_name_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj.*exclude"):
-        slimopt.build_optimizer(mixtral(), "galore_adamw", lr=1e-3, rank=8, target_modules=["experts"])
+def test_selecting_expert_weights_by_name_projects_only_them() -> None:
+    model = mixtral()
+    optimizer = slimopt.build_optimizer(model, "galore_adamw", lr=1e-3, rank=8, target_modules=["experts"])
+    assert set(_projected_names(model, optimizer).values()) == {"projected_experts"}
+
+
+class _Mixer(torch.nn.Module):
+    """A module with a 3-D weight of no known layout (not a convolution, not experts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mixing = torch.nn.Parameter(torch.randn(3, 8, 8))
+        self.out = torch.nn.Linear(8, 8)
+
+
+def test_a_three_dimensional_weight_of_unknown_layout_is_refused_or_left_whole() -> None:
+    with pytest.raises(ValueError, match=r"selects mixing of shape \(3, 8, 8\).*do not match the model"):
+        slimopt.build_optimizer(_Mixer(), "galore_adamw", lr=1e-3, rank=2, target_modules=".*")
+    with pytest.raises(ValueError, match=r"selects 0\.mixing of shape \(3, 8, 8\).*exclude '0' from"):
+        slimopt.build_optimizer(
+            torch.nn.Sequential(_Mixer()), "galore_adamw", lr=1e-3, rank=2, target_modules="0"
+        )
+    with pytest.warns(UserWarning, match=r"mixing \(3, 8, 8\).*neither convolution kernels nor stacked"):
+        optimizer = slimopt.build_optimizer(_Mixer(), "galore_adamw", lr=1e-3, rank=2)
+    assert [g["name"] for g in optimizer.param_groups] == ["projected", "unprojected", "no_decay"]
+
+
+@pytest.mark.parametrize(
+    ("name", "fused"), [("galore_adamw", False), ("galore_adamw8bit", False), ("galore_adamw8bit", True)]
+)
+def test_each_expert_is_updated_as_a_matrix_of_its_own(name, fused) -> None:
+    """A 4×24×16 stacked parameter with experts=True and four 24×16 parameters stepped alike
+    (exact SVD and deterministic storage, so no random draw tells them apart): after refreshes
+    with rotated moments, every expert's weights and moments equal its 2-D twin's. Expert 2's
+    gradient is NaN at step 3: that expert alone skips it."""
+    torch.manual_seed(0)
+    stacked = torch.nn.Parameter(torch.randn(4, 24, 16))
+    twins = [torch.nn.Parameter(stacked.detach()[e].clone()) for e in range(4)]
+    options = {
+        "rank": 4,
+        "update_proj_gap": 2,
+        "proj_method": "svd",
+        "stagger": False,
+        "lr": 1e-2,
+        "fused": fused,
+    }
+    cls = slimopt.registry.OPTIMIZERS[name].cls
+    ours = cls([{"params": [stacked], "experts": True}], **options)
+    theirs = cls([{"params": [twin]} for twin in twins], **options)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(6):
+        grad = torch.randn(4, 24, 16, generator=generator)
+        if step == 3:
+            grad[2, 5, 5] = float("nan")
+        stacked.grad = grad
+        for e, twin in enumerate(twins):
+            twin.grad = grad[e].clone()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            ours.step()
+            theirs.step()
+    decoded = ours.decoded_state(stacked)
+    for e, twin in enumerate(twins):
+        assert torch.equal(stacked[e], twin), e
+        for key, value in theirs.decoded_state(twin).items():
+            assert torch.equal(decoded[key][e], value), (e, key)
+    steps = [ours.state[stacked][f"expert{e}.step"] for e in range(4)]
+    assert steps == [6, 6, 5, 6] and ours.state[stacked]["expert2.nonfinite_skips"] == 1
+
+
+def test_experts_resume_bit_exactly() -> None:
+    """Three steps, a state dict through torch.save, three more in a fresh optimizer: as six in one."""
+    import io
+
+    def run(split: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        weight = torch.nn.Parameter(torch.randn(3, 40, 32))
+        make = lambda: slimopt.GaLoreAdamW(  # noqa: E731
+            [{"params": [weight], "experts": True, "rank": 4, "update_proj_gap": 2}],
+            lr=1e-2,
+            states="ternary",
+        )
+        optimizer = make()
+        generator = torch.Generator().manual_seed(1)
+        for step in range(6):
+            if split and step == 3:
+                buffer = io.BytesIO()
+                torch.save(optimizer.state_dict(), buffer)
+                buffer.seek(0)
+                optimizer = make()
+                optimizer.load_state_dict(torch.load(buffer, weights_only=True))
+            weight.grad = torch.randn(weight.shape, generator=generator)
+            optimizer.step()
+        return weight.detach().clone()
+
+    assert torch.equal(run(True), run(False))
+
+
+def test_experts_option_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"experts=True takes 3-D parameters .*got shapes \[\(8, 8\)\]"):
+        slimopt.GaLoreAdamW([{"params": [torch.nn.Parameter(torch.randn(8, 8))], "experts": True, "rank": 2}])
+    with pytest.raises(ValueError, match="experts=True needs a rank"):
+        slimopt.GaLoreAdamW([{"params": [torch.nn.Parameter(torch.randn(2, 8, 8))], "experts": True}])
+    with pytest.raises(ValueError, match="experts is not an option of build_optimizer"):
+        slimopt.build_optimizer(mixtral(), "galore_adamw", lr=1e-3, experts=True)
+    optimizer = slimopt.build_optimizer(mixtral(), "galore_adamw", lr=1e-3, rank=8)
+    with pytest.raises(ValueError, match="layer-wise updates do not cover per-expert projection"):
+        slimopt.layerwise(optimizer)
 
 
 def test_describe_names_every_parameter_and_its_basis() -> None:
@@ -142,3 +254,22 @@ def test_describe_names_every_parameter_and_its_basis() -> None:
     assert f"state {stored:,} bytes" in groups["projected"]
     with pytest.raises(TypeError, match="describe takes a slimopt optimizer"):
         slimopt.describe(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_an_experts_checkpoint_loads_into_another_storage_format() -> None:
+    """Stacked experts saved with int8 moments, loaded by a bf16 optimizer: every expert's
+    moments and basis decode to what they were."""
+    weight = torch.nn.Parameter(torch.randn(3, 96, 64))  # moments 96×48: stored compressed
+    saved = slimopt.GaLoreAdamW([{"params": [weight], "experts": True, "rank": 48}], lr=1e-2, states="int8")
+    weight.grad = torch.randn(weight.shape)
+    saved.step()
+    loading = slimopt.GaLoreAdamW([{"params": [weight], "experts": True, "rank": 48}], lr=1e-2, states="bf16")
+    group = loading.param_groups[0]
+    loading.load_state_dict(saved.state_dict())
+    assert loading.param_groups[0]["states"] == "bf16"
+    assert loading.state[weight]["expert1.exp_avg"].dtype == torch.bfloat16
+    for key, value in saved.decoded_state(weight).items():
+        assert torch.allclose(loading.decoded_state(weight)[key], value, rtol=1e-2, atol=1e-6), key
+    for unit, twin in zip(loading.units(weight, group), saved.units(weight, group), strict=True):
+        assert torch.equal(loading.basis(unit, group).right, saved.basis(twin, group).right)
+

@@ -19,11 +19,11 @@ def _shape(tensor: Tensor) -> str:
 
 
 def _side(param: Tensor, group: dict) -> str:
-    rows, cols = matrix_shape(param.shape)
+    rows, cols = matrix_shape(param.shape[1:] if group["experts"] else param.shape)
     left, right = sides((rows, cols), group["proj_type"])
     rank = group["rank"]
     parts = [f"left {rows}×{min(rank, rows)}"] * left + [f"right {min(rank, cols)}×{cols}"] * right
-    return "basis " + " and ".join(parts)
+    return "basis " + " and ".join(parts) + (f" per expert ({param.shape[0]})" if group["experts"] else "")
 
 
 def describe(optimizer: GaLoreOptimizer, model: nn.Module | None = None, *, parameters: bool = True) -> str:

@@ -82,6 +82,14 @@ class LayerwiseHandle:
         scheduler: Any,
         refresh_from: str,
     ) -> None:
+        groups = enumerate(optimizer.param_groups)
+        experts = [group.get("name", f"group {i}") for i, group in groups if group["experts"]]
+        if experts:
+            raise ValueError(
+                f"layer-wise updates do not cover per-expert projection (param groups {experts} have "
+                "experts=True); step the optimizer after backward, or project the experts as whole "
+                "tensors in another optimizer"
+            )
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm

@@ -160,17 +160,19 @@ def restore_storage(optimizer: GaLoreOptimizer, storage: list[dict[str, Any]]) -
     for group, wanted in zip(optimizer.param_groups, storage, strict=True):
         if all(group[key] == wanted[key] for key in STORAGE_KEYS):
             continue
-        contents = {}
+        contents = []
         for param in group["params"]:
-            if param in optimizer.state:
-                basis = optimizer.basis(param, group) if optimizer.projects(param, group) else None
-                contents[param] = (optimizer.decoded_state(param), basis)
+            if param not in optimizer.state:
+                continue
+            for unit in optimizer.units(param, group):  # the parameter, or each of its experts
+                basis = optimizer.basis(unit, group) if optimizer.projects(unit, group) else None
+                contents.append((unit, optimizer.decoded_state(unit), basis))
         group.update(wanted)
-        for param, (moments, basis) in contents.items():
-            state = optimizer.state[param]
+        for unit, moments, basis in contents:
+            state = optimizer.state_of(unit)
             for key in [k for k, v in state.items() if isinstance(v, Tensor)]:
                 del state[key]
             if moments:
-                optimizer._store_moments(param, group, moments)
+                optimizer._store_moments(unit, group, moments)
             if basis is not None:
-                optimizer._store_basis(param, group, basis)
+                optimizer._store_basis(unit, group, basis)

@@ -17,7 +17,7 @@ at a time.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
@@ -74,6 +74,9 @@ PROJECTION_DEFAULTS: dict[str, Any] = {
     "on_subspace_change": "rotate",
     "stagger": True,
     "basis_states": "fp32",
+    # The first dimension of every parameter indexes independent matrices (a mixture of experts'
+    # stacked expert weights): each gets its own basis and moments, as a 2-D parameter would.
+    "experts": False,
 }
 
 STORAGE_DEFAULTS: dict[str, Any] = {
@@ -197,6 +200,12 @@ class GaLoreOptimizer(Optimizer):
         split = [p for p in group["params"] if split_by_rows(p)]
         if errors or not split:
             return errors
+        if group["experts"]:
+            return [
+                f"experts=True: parameters {[tuple(p.shape) for p in split]} are split by rows "
+                "(FSDP2), so no process holds whole experts to project; shard them by experts "
+                "outside FSDP2, or leave them out of the experts group"
+            ]
         if not self.rule.elementwise:
             return [
                 f"{type(self).__name__} needs whole-tensor statistics (RMS, factored means), but "
@@ -224,6 +233,8 @@ class GaLoreOptimizer(Optimizer):
 
     def _sharding(self, param: Tensor) -> RowSharding | None:
         """How ``param`` is split by rows (a collective the first time), or None."""
+        if _expert_of(param) is not None:  # experts of split parameters are refused
+            return None
         if param not in self._shardings:
             self._shardings[param] = row_sharding(param)
         return self._shardings[param]
@@ -278,12 +289,16 @@ class GaLoreOptimizer(Optimizer):
         # Whether each gradient is finite is decided for all parameters at once (slimopt.finite):
         # on the host in one read for the reference path, on the device for the fused path.
         pending = [
-            (p, g, local_view(p.grad)) for g in self.param_groups for p in g["params"] if p.grad is not None
+            (unit, g, grad)
+            for g in self.param_groups
+            for p in g["params"]
+            if p.grad is not None
+            for unit, grad in zip(self.units(p, g), self.units(local_view(p.grad), g), strict=True)
         ]
         decisions = self._decide([(p, g, grad) for p, g, grad in pending])
         ready = []
         for (param, group, grad), finite in zip(pending, decisions, strict=True):
-            state = self.state[param]
+            state = self.state_of(param)
             if not state:
                 self._init_state(param, group, state)
             if finite is False:
@@ -320,7 +335,7 @@ class GaLoreOptimizer(Optimizer):
     def _decides_on_device(self, param: Tensor, group: dict[str, Any]) -> bool:
         """Whether a step of ``param`` takes its non-finite decision on the device: on the fused
         path, once its state exists (a first step creates the state on the host)."""
-        return self._fused(param, group) and "moment_step" in self.state[param]
+        return self._fused(param, group) and "moment_step" in self.state_of(param)
 
     def _sharding_group(self, param: Tensor) -> Any:
         sharding = self._sharding(param)
@@ -330,7 +345,7 @@ class GaLoreOptimizer(Optimizer):
         """Count the fused updates that a device flag skipped as not taken, as the reference
         path counts a skipped step (it neither advances the step nor ages the moments)."""
         for param in self._decisions.skipped():
-            self._unstep(param, self.state[param])
+            self._unstep(param, self.state_of(param))
 
     def _unstep(self, param: Tensor, state: dict[str, Any]) -> None:
         """Take back the count of a step that a non-finite gradient skipped, and report it."""
@@ -393,6 +408,32 @@ class GaLoreOptimizer(Optimizer):
     # takes the parameter and its param group; gradients are this process's values (the local
     # rows of an FSDP2 DTensor).
 
+    def units(self, tensor: Tensor, group: dict[str, Any]) -> list[Tensor]:
+        """What an update of ``tensor`` (a parameter of ``group``, or its gradient) works on:
+        the tensor itself, or in a group with ``experts`` one view per expert (along the first
+        dimension), each updated as a 2-D parameter with its own state (``state_of``)."""
+        if not group["experts"]:
+            return [tensor]
+        views = []
+        for index in range(tensor.shape[0]):
+            view = tensor.detach()[index]
+            view._slimopt_expert = (tensor, index)
+            views.append(view)
+        return views
+
+    def state_of(self, unit: Tensor) -> MutableMapping[str, Any]:
+        """The state of ``unit`` (from ``units``): a parameter's own, or an expert's part of its
+        parameter's (the keys that start with ``expert{index}.``)."""
+        expert = _expert_of(unit)
+        if expert is None:
+            return self.state[unit]
+        return ExpertState(self.state[expert[0]], expert[1])
+
+    def _ordinal_of(self, unit: Tensor) -> tuple[int, int, int]:
+        """``_param_ordinals`` of ``unit``, an expert taking its parameter's."""
+        expert = _expert_of(unit)
+        return self._param_ordinals()[unit if expert is None else expert[0]]
+
     def projects(self, param: Tensor, group: dict[str, Any]) -> bool:
         """Whether ``param`` is projected (a non-empty tensor of two or more dimensions in a
         group with ``rank``)."""
@@ -420,11 +461,11 @@ class GaLoreOptimizer(Optimizer):
     def needs_whole_gradient(self, param: Tensor, group: dict[str, Any]) -> bool:
         """Whether this step of ``param`` needs its whole gradient: it is not projected, or its
         basis is refreshed from this step's gradient."""
-        return not self.projects(param, group) or self._refresh_due(self.state[param], group)
+        return not self.projects(param, group) or self._refresh_due(self.state_of(param), group)
 
     def basis(self, param: Tensor, group: dict[str, Any]) -> Basis | None:
         """The fp32 basis of a projected ``param`` (decoded from its storage), or None."""
-        state = self.state[param]
+        state = self.state_of(param)
         factors = []
         for key, shape in zip(BASIS_KEYS, self._basis_shapes(param, group), strict=True):
             codec = moment_codec(group["basis_states"], "linear", shape)
@@ -440,7 +481,7 @@ class GaLoreOptimizer(Optimizer):
         return torch.Size((rows, rank)), torch.Size((rank, cols))
 
     def _store_basis(self, param: Tensor, group: dict[str, Any], basis: Basis) -> None:
-        state = self.state[param]
+        state = self.state_of(param)
         generator = None
         if group["basis_states"] == "bf16":  # stochastic rounding, seeded by parameter and step
             generator = torch.Generator(device="cpu" if param.is_meta else param.device)
@@ -462,7 +503,7 @@ class GaLoreOptimizer(Optimizer):
         """
         if grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-        state = self.state[param]
+        state = self.state_of(param)
         if not state:
             self._init_state(param, group, state)
         if not self.projects(param, group):
@@ -476,7 +517,7 @@ class GaLoreOptimizer(Optimizer):
     def refreshed_basis(self, param: Tensor, group: dict[str, Any], grad: Tensor) -> Basis | None:
         """The basis of a projected ``param`` for this step, refreshed from ``grad`` first when
         its refresh is due (None: no basis could be computed yet)."""
-        state = self.state[param]
+        state = self.state_of(param)
         if not state:
             self._init_state(param, group, state)
         if self._refresh_due(state, group):
@@ -495,7 +536,7 @@ class GaLoreOptimizer(Optimizer):
         update when ``grad`` is not finite (``finite``: already decided by the caller, as
         ``step()`` does for all parameters at once, possibly as a flag on the device for the
         fused path; None: decided here)."""
-        state = self.state[param]
+        state = self.state_of(param)
         if finite is None:
             finite = self._agreed(param, _all_finite(grad))
         keep = finite if isinstance(finite, Tensor) else None
@@ -651,7 +692,7 @@ class GaLoreOptimizer(Optimizer):
     def _update_by_row_slices(
         self, param: Tensor, weights: Tensor, group: dict[str, Any], grad: Tensor, keep: Tensor | None
     ) -> None:
-        state = self.state[param]
+        state = self.state_of(param)
         storages = self._row_storages(param, group)
         first = "moment_step" not in state
         if first:
@@ -713,6 +754,11 @@ class GaLoreOptimizer(Optimizer):
         first update; raises ``KeyError`` for a tensor that is not a parameter of this optimizer.
         """
         group = self._group_of(param)
+        if _expert_of(param) is not None:
+            return self._decoded(param, group, self.state_of(param), param.shape, None)
+        if group["experts"]:  # each expert's, stacked along the first dimension
+            decoded = [self.decoded_state(unit) for unit in self.units(param, group)]
+            return {key: torch.stack([d[key] for d in decoded]) for key in decoded[0]}
         sharding = self._sharding(param)
         rows = None if sharding is None else sharding.rows
         return self._decoded(param, group, self.state.get(param, {}), _values(param).shape, rows)
@@ -753,7 +799,7 @@ class GaLoreOptimizer(Optimizer):
     def _store_moments(self, param: Tensor, group: dict[str, Any], moments: dict[str, Tensor]) -> None:
         """Encode ``moments`` (as ``decoded_state`` gives them) with ``group``'s storage format
         into a state whose stored tensors have been removed."""
-        state = self.state[param]
+        state = self.state_of(param)
         layouts = {key: self._layout(param, value.shape) for key, value in moments.items()}
         generator = self._rounding_generator(param, state, group, next(iter(layouts.values())), LOAD_STREAM)
         storages = self._row_storages(param, group) if self._by_row_slices(param, group) else {}
@@ -767,6 +813,8 @@ class GaLoreOptimizer(Optimizer):
                 state[key] = value
 
     def _group_of(self, param: Tensor) -> dict[str, Any]:
+        expert = _expert_of(param)
+        param = param if expert is None else expert[0]
         for group in self.param_groups:
             if any(p is param for p in group["params"]):
                 return group
@@ -786,10 +834,12 @@ class GaLoreOptimizer(Optimizer):
             errors = self._sharding_errors({**group, "params": [param]})
             if errors:
                 raise ValueError("; ".join(errors))
-        ordinal, projected_ordinal, projected_count = self._param_ordinals()[param]
+        ordinal, projected_ordinal, projected_count = self._ordinal_of(param)
+        expert = _expert_of(param)
         state["step"] = 0
         state["nonfinite_skips"] = 0
-        state["seed"] = ordinal
+        # Each expert of a stacked parameter draws its own numbers.
+        state["seed"] = ordinal if expert is None else ordinal + (expert[1] + 1) * EXPERT_SEED_STRIDE
         if self.projects(param, group):
             gap = group["update_proj_gap"]
             state["refresh_offset"] = (projected_ordinal * gap) // projected_count if group["stagger"] else 0
@@ -843,7 +893,7 @@ class GaLoreOptimizer(Optimizer):
 
         try:
             if self._refresh_group is not None and self._sharding(param) is None:
-                owner = self._param_ordinals()[param][1]
+                owner = self._ordinal_of(param)[1]
                 new = compute_on_owner(compute, owner, sides, grad, group["rank"], self._refresh_group)
             else:
                 new = compute()
@@ -938,12 +988,48 @@ class GaLoreOptimizer(Optimizer):
         self._warn(param, state, f"{reason}; update skipped")
 
     def _warn(self, param: Tensor, state: dict[str, Any], message: str) -> None:
-        ordinal = self._param_ordinals()[param][0]
+        ordinal = self._ordinal_of(param)[0]
+        expert = _expert_of(param)
+        which = f"parameter {ordinal}" + ("" if expert is None else f" expert {expert[1]}")
         warnings.warn(
-            f"slimopt: parameter {ordinal} {tuple(param.shape)} at step {state['step']}: {message}",
+            f"slimopt: {which} {tuple(param.shape)} at step {state['step']}: {message}",
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+# Experts' seeds: their parameter's ordinal plus a multiple of this (more than any model's
+# parameter count, and odd, so the low 32 bits of the seeds differ too).
+EXPERT_SEED_STRIDE = 100_003
+
+
+def _expert_of(unit: Tensor) -> tuple[Tensor, int] | None:
+    """(parameter, expert index) of a view made by ``GaLoreOptimizer.units``, else None."""
+    return getattr(unit, "_slimopt_expert", None)
+
+
+class ExpertState(MutableMapping[str, Any]):
+    """One expert's state, kept in its parameter's state under keys prefixed ``expert{index}.``:
+    a state dict holds one flat dict per parameter, as torch.optim's does."""
+
+    def __init__(self, state: dict[str, Any], index: int) -> None:
+        self._state = state
+        self._prefix = f"expert{index}."
+
+    def __getitem__(self, key: str) -> Any:
+        return self._state[self._prefix + key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._state[self._prefix + key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._state[self._prefix + key]
+
+    def __iter__(self) -> Iterator[str]:
+        return (key[len(self._prefix) :] for key in list(self._state) if key.startswith(self._prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def _both(first: list[bool | Tensor], indices: list[int], second: list[bool | Tensor]) -> list[bool | Tensor]:
@@ -1119,8 +1205,17 @@ def _all_finite(tensor: Tensor) -> bool:
 
 def _projection_errors(group: dict[str, Any]) -> list[str]:
     if "rank" not in group:
-        return []
+        return ["experts=True needs a rank: it projects each expert's matrix"] if group["experts"] else []
     errors = []
+    if group["experts"] not in (True, False):
+        errors.append(f"experts must be True or False, got {group['experts']!r}")
+    elif group["experts"]:
+        shapes = [tuple(p.shape) for p in group["params"] if p.dim() != 3]
+        if shapes:
+            errors.append(
+                f"experts=True takes 3-D parameters (experts × rows × columns), got shapes {shapes}; "
+                "put them in a group without experts"
+            )
     rank, gap = group["rank"], group["update_proj_gap"]
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         errors.append(f"rank must be a positive integer, got {rank!r}")

@@ -32,7 +32,7 @@ from slimopt.layerwise import check_refresh_from, layerwise
 from slimopt.memory import LiveBytes, storage_nbytes
 from slimopt.optimizer import BASIS_KEYS
 from slimopt.process_memory import parameter_bytes, per_process
-from slimopt.registry import OPTIMIZERS, build_optimizer, resolve_name, select_target_modules
+from slimopt.registry import OPTIMIZERS, build_optimizer, projected_weights, resolve_name
 
 TERMS = (
     "weights",
@@ -252,12 +252,11 @@ def _check_rank(model: nn.Module, setting: dict[str, Any], options: dict[str, An
     rank = setting["rank"]
     if rank is None or not OPTIMIZERS[setting["optimizer"]].projected:
         return
-    modules = dict(model.named_modules())
-    for name in select_target_modules(model, options.get("target_modules")):
-        shape = modules[name].weight.shape
+    for name, weight in projected_weights(model, options.get("target_modules")).items():
+        shape = weight.shape[-2:]  # an expert's matrix, for stacked experts
         if rank > min(shape):
             raise ValueError(
-                f"rank {rank} is larger than the matrix {name}.weight ({shape[0]}×{shape[1]}); "
+                f"rank {rank} is larger than the matrix {name} ({shape[0]}×{shape[1]}); "
                 f"valid ranks: 1 to {min(shape)}"
             )
 

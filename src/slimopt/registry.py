@@ -139,34 +139,63 @@ def _matches(name: str, target_modules: str | list[str]) -> bool:
     return any(key == name or key in name or re.fullmatch(key, name) for key in target_modules)
 
 
+def expert_weights(module: nn.Module) -> dict[str, Tensor]:
+    """The stacked expert weights of ``module`` by name: its own 3-D parameters (experts × rows
+    × columns, each expert a linear layer's matrix) when the module holds a mixture of experts'
+    experts (its class name says "Expert", as transformers' ``MixtralExperts`` and
+    ``Qwen2MoeExperts`` do), else none."""
+    if isinstance(module, nn.modules.conv._ConvNd) or "expert" not in type(module).__name__.lower():
+        return {}
+    return {name: p for name, p in module.named_parameters(recurse=False) if p.dim() == 3}
+
+
 def select_target_modules(model: nn.Module, target_modules: str | list[str] | None = None) -> list[str]:
-    """Return the names of the linear modules (``nn.Linear``, transformers' ``Conv1D``) selected
-    by ``target_modules``.
+    """Return the names of the modules whose weights ``target_modules`` selects for projection:
+    linear layers (``nn.Linear``, transformers' ``Conv1D``) and modules of stacked expert weights
+    (``expert_weights``: each expert is projected as its own matrix).
 
     ``None``: every linear layer except the output head (the attention and MLP projections of a
-    transformer). ``"all-linear"``: every linear layer. A string: a regular expression that must
-    match a module name in full. A list: module names, substrings of names, or full-match regexes.
+    transformer) and every experts module. ``"all-linear"``: every linear layer and experts
+    module. A string: a regular expression that must match a module name in full. A list: module
+    names, substrings of names, or full-match regexes.
     Raises ``ValueError`` when nothing is selected, or when an explicit selection names a module
-    whose own weights are not a linear layer's (3-D expert weights of a mixture of experts, …):
-    slimopt projects each selected weight as one matrix and would not flatten one silently.
+    with weights of 3 or more dimensions that are neither a convolution's nor stacked experts':
+    slimopt does not know their layout and would not flatten them silently.
     """
     linears = linear_layers(model)
+    experts = [name for name, module in model.named_modules() if expert_weights(module)]
+    candidates = list(linears) + experts
     if target_modules is None:
         head = output_head(model)
-        return [name for name, module in linears.items() if module is not head] or _nothing(linears, None)
+        chosen = [name for name, module in linears.items() if module is not head] + experts
+        return chosen or _nothing(linears, None)
     if isinstance(target_modules, str) and target_modules.replace("_", "-") == "all-linear":
-        return list(linears) or _nothing(linears, target_modules)
+        return candidates or _nothing(linears, target_modules)
     for name, module in model.named_modules():
-        if name in linears or not _matches(name, target_modules):
+        if name in candidates or not _matches(name, target_modules):
             continue
         for param_name, param in module.named_parameters(recurse=False):
             if param.dim() >= 3 and not isinstance(module, nn.modules.conv._ConvNd):
+                remedy = f"exclude {name!r} from" if name else "do not match the model itself (name '') in"
                 raise ValueError(
-                    f"target_modules={target_modules!r} selects {name}.{param_name} of shape "
-                    f"{tuple(param.shape)}, which slimopt cannot project as one matrix (a weight per "
-                    f"expert?); exclude {name!r} from target_modules"
+                    f"target_modules={target_modules!r} selects {f'{name}.' if name else ''}{param_name} "
+                    f"of shape {tuple(param.shape)}, whose layout slimopt does not know (neither a "
+                    f"linear layer's, a convolution's nor stacked experts'); {remedy} target_modules"
                 )
-    return [name for name in linears if _matches(name, target_modules)] or _nothing(linears, target_modules)
+    chosen = [name for name in candidates if _matches(name, target_modules)]
+    return chosen or _nothing(linears, target_modules)
+
+
+def projected_weights(model: nn.Module, target_modules: str | list[str] | None = None) -> dict[str, Tensor]:
+    """The weights ``select_target_modules`` selects, by parameter name: a linear layer's
+    ``weight``, or an experts module's stacked 3-D weights."""
+    modules = dict(model.named_modules())
+    weights = {}
+    for name in select_target_modules(model, target_modules):
+        stacked = expert_weights(modules[name])
+        owned = stacked if stacked else {"weight": modules[name].weight}
+        weights |= {f"{name}.{key}": param for key, param in owned.items()}
+    return weights
 
 
 def _nothing(linears: dict[str, nn.Module], target_modules: str | list[str] | None) -> list[str]:
@@ -210,24 +239,26 @@ def warn_if_projection_saves_nothing(matrices: list[Tensor], rank: int) -> None:
 FLIPPED_SIDES = {"left": "right", "right": "left"}
 
 
-def _warn_unprojected_experts(model: nn.Module, params: dict[int, Tensor]) -> None:
-    """A ``UserWarning`` naming trainable tensors of three or more dimensions that are not
-    convolution kernels (a mixture of experts' stacked expert weights): a projecting optimizer
-    keeps their moments whole, unprojected."""
-    kernels = {
-        id(p) for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd) for p in m.parameters()
+def _warn_unknown_layouts(model: nn.Module, params: dict[int, Tensor]) -> None:
+    """A ``UserWarning`` naming trainable tensors of three or more dimensions that are neither
+    convolution kernels nor stacked experts (``expert_weights``): a projecting optimizer keeps
+    their moments whole, unprojected, since it does not know their layout."""
+    known = {
+        id(p)
+        for m in model.modules()
+        for p in (m.parameters(recurse=False) if isinstance(m, nn.modules.conv._ConvNd) else [])
     }
+    known |= {id(p) for m in model.modules() for p in expert_weights(m).values()}
     names = [
         f"{name} {tuple(p.shape)}"
         for name, p in model.named_parameters()
-        if id(p) in params and p.dim() >= 3 and id(p) not in kernels
+        if id(p) in params and p.dim() >= 3 and id(p) not in known
     ]
     if names:
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         warnings.warn(
-            f"{shown}: tensors of 3 or more dimensions that are not convolution kernels (stacked "
-            "expert weights?) are not projected; their moments are kept whole (per-expert projection "
-            "is not implemented)",
+            f"{shown}: tensors of 3 or more dimensions that are neither convolution kernels nor "
+            "stacked experts are not projected (their layout is unknown); their moments are kept whole",
             UserWarning,
             stacklevel=3,
         )
@@ -250,7 +281,8 @@ def build_optimizer(
     rank ``rank``, default ``default_rank`` of them, plus any projection ``options``),
     ``"projected_transposed"`` (transformers ``Conv1D`` weights, stored in × out, when
     ``proj_type`` names a side: they get the other one, so "left" is the output side of every
-    layer),
+    layer), ``"projected_experts"`` (a mixture of experts' stacked 3-D expert weights, with
+    ``experts=True``: each expert projected as its own matrix, out × in),
     ``"unprojected"`` (every other matrix) and ``"no_decay"`` (1-D parameters: biases and norms,
     without weight decay). A rank at which projection saves no state warns.
     Remaining ``options`` (``weight_decay``, ``betas``, …) go to the optimizer class. Raises
@@ -259,6 +291,11 @@ def build_optimizer(
     """
     name = resolve_name(name)
     spec = OPTIMIZERS[name]
+    if "experts" in options:
+        raise ValueError(
+            "experts is not an option of build_optimizer: it puts a mixture of experts' stacked "
+            "weights in their own group (projected_experts) with experts=True itself"
+        )
     projection = {key: options.pop(key) for key in list(options) if key in PROJECTION_DEFAULTS}
     if not spec.projected and (rank is not None or target_modules is not None or projection):
         given = ["rank"] * (rank is not None) + ["target_modules"] * (target_modules is not None)
@@ -270,24 +307,32 @@ def build_optimizer(
     params = {id(p): p for p in model.parameters() if p.requires_grad}
     projected_ids: set[int] = set()
     transposed_ids: set[int] = set()
+    expert_ids: set[int] = set()
     if spec.projected:
         modules = dict(model.named_modules())
         for module_name in select_target_modules(model, target_modules):
-            weight = modules[module_name].weight
-            if weight.requires_grad:
-                projected_ids.add(id(weight))
-                if is_transposed_linear(modules[module_name]):
-                    transposed_ids.add(id(weight))
-        _warn_unprojected_experts(model, params)
+            module = modules[module_name]
+            stacked = expert_weights(module)
+            for weight in stacked.values() if stacked else [module.weight]:
+                if weight.requires_grad:
+                    projected_ids.add(id(weight))
+                    if stacked:
+                        expert_ids.add(id(weight))
+                    elif is_transposed_linear(module):
+                        transposed_ids.add(id(weight))
+        _warn_unknown_layouts(model, params)
     projected = [p for i, p in params.items() if i in projected_ids]
+    # Each expert is a matrix of its own: the rank and the savings are the experts'.
+    matrices = [m for p in projected for m in (p.detach().unbind(0) if id(p) in expert_ids else [p])]
     if spec.projected and projected:
-        rank = default_rank(projected) if rank is None else rank
-        warn_if_projection_saves_nothing(projected, rank)
+        rank = default_rank(matrices) if rank is None else rank
+        warn_if_projection_saves_nothing(matrices, rank)
     # A basis side named by the user ("left": the output side of a layer) is the other side
     # of a transposed weight; the other proj_types choose by shape, the same for both layouts.
     flipped = FLIPPED_SIDES.get(projection.get("proj_type", ""))
     transposed = [p for p in projected if id(p) in transposed_ids] if flipped else []
-    linear_layout = [p for p in projected if not any(p is q for q in transposed)]
+    experts = [p for p in projected if id(p) in expert_ids]
+    linear_layout = [p for p in projected if not any(p is q for q in transposed + experts)]
     groups = [
         {"name": "projected", "params": linear_layout, "rank": rank, **projection},
         {
@@ -297,6 +342,7 @@ def build_optimizer(
             **projection,
             "proj_type": flipped,
         },
+        {"name": "projected_experts", "params": experts, "rank": rank, **projection, "experts": True},
         {
             "name": "unprojected",
             "params": [p for i, p in params.items() if i not in projected_ids and p.dim() >= 2],
