@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 
+import slimopt
 from slimopt.rules import taco
 
 
@@ -42,7 +43,7 @@ def test_the_update_touches_one_entry_per_column() -> None:
     weights = torch.randn(6, 4)
     before = weights.clone()
     rows, signs = taco.column_top1(torch.randn(6, 4))
-    taco.apply_direction(weights, rows, signs, step=0.1)
+    taco.OneSparse(rows, signs * taco.direction_scale((6, 4)), transposed=False).add_to(weights, alpha=-0.1)
     changed = weights != before
     assert (changed.sum(dim=0) == 1).all()
     expected = before - 0.1 * taco.dense_direction(rows, signs, (6, 4))
@@ -113,3 +114,147 @@ def test_fp8_values_keep_a_columns_largest_slot_to_a_few_percent() -> None:
     top = grad.abs().topk(4, dim=0).values
     held = taco.sketch_values(sketch).abs().sort(dim=0, descending=True).values
     assert torch.allclose(held, top, rtol=0.07)
+
+
+# ----------------------------------------------------------------------------- the optimizer
+
+
+def _train(optimizer_factory, steps: int = 6, split: int | None = None, seed: int = 0):
+    """Steps of a 24×16 and a 16×40 matrix with fixed random gradients; with ``split``, the state
+    goes through torch.save into a fresh optimizer before that step."""
+    import io
+
+    torch.manual_seed(seed)
+    weights = [torch.nn.Parameter(torch.randn(24, 16)), torch.nn.Parameter(torch.randn(16, 40))]
+    optimizer = optimizer_factory(weights)
+    generator = torch.Generator().manual_seed(seed + 1)
+    for step in range(steps):
+        if step == split:
+            buffer = io.BytesIO()
+            torch.save(optimizer.state_dict(), buffer)
+            buffer.seek(0)
+            optimizer = optimizer_factory(weights)
+            optimizer.load_state_dict(torch.load(buffer, weights_only=True))
+        for weight in weights:
+            weight.grad = torch.randn(weight.shape, generator=generator)
+        optimizer.step()
+    return [w.detach().clone() for w in weights], optimizer
+
+
+def test_a_full_sketch_trains_as_the_dense_oracle() -> None:
+    """k ≥ m with fp32 values: every step's direction, hence every weight, equals the oracle's."""
+    sketch, _ = _train(lambda ws: slimopt.TACO(ws, lr=1e-2, k=64, sketch_values="fp32"))
+    dense, oracle = _train(lambda ws: slimopt.TACO(ws, lr=1e-2, history="dense"))
+    assert all(torch.equal(a, b) for a, b in zip(sketch, dense, strict=True))
+    assert oracle.state[oracle.param_groups[0]["params"][0]]["taco_average"].shape == (24, 16)
+
+
+@pytest.mark.parametrize("options", [{"k": 16}, {"k": 0}, {"history": "dense"}])
+def test_resume_is_bit_exact(options) -> None:
+    def make(ws):
+        return slimopt.TACO(ws, lr=1e-2, weight_decay=0.1, **options)
+
+    whole, _ = _train(make)
+    resumed, _ = _train(make, split=3)
+    assert all(torch.equal(a, b) for a, b in zip(whole, resumed, strict=True))
+
+
+def test_each_step_moves_one_entry_per_column_by_lr_times_m_over_n() -> None:
+    weight = torch.nn.Parameter(torch.randn(24, 16))
+    optimizer = slimopt.TACO([weight], lr=0.5, k=4)
+    before = weight.detach().clone()
+    weight.grad = torch.randn(24, 16)
+    optimizer.step()
+    change = weight.detach() - before
+    assert ((change != 0).sum(dim=0) == 1).all()
+    assert torch.allclose(change[change != 0].abs(), torch.tensor(0.5 * 24 / 16))
+
+
+def test_state_bytes_are_the_sketch_per_column() -> None:
+    _, optimizer = _train(lambda ws: slimopt.TACO(ws, lr=1e-2, k=8))
+    assert slimopt.state_nbytes(optimizer) == 16 * (8 * 3 + 4) + 40 * (8 * 3 + 4)
+
+
+def test_build_optimizer_routes_what_is_not_a_linear_matrix_to_the_fallback() -> None:
+    from .conftest import tiny_llama
+
+    model = tiny_llama()
+    optimizer = slimopt.build_optimizer(model, "taco", lr=1e-3)
+    groups = {g["name"]: g for g in optimizer.param_groups}
+    assert set(groups) == {"taco", "fallback", "no_decay"}
+    assert all(p.dim() == 2 for p in groups["taco"]["params"]) and len(groups["taco"]["params"]) == 14
+    assert groups["fallback"]["rule"] == "adamw" and groups["fallback"]["states"] == "int8"
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in groups["fallback"]["params"]} == {
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+    }
+    x = torch.randint(0, 256, (2, 16))
+    losses = []
+    for _ in range(4):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0]
+
+
+def test_a_conv1d_weight_moves_one_entry_per_input_feature() -> None:
+    """GPT-2 stores its layers in × out: TACO's columns (input features) are its rows."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    optimizer = slimopt.build_optimizer(model, "taco", lr=1e-2)
+    assert "taco_transposed" in {g["name"] for g in optimizer.param_groups}
+    weight = model.transformer.h[0].mlp.c_fc.weight  # 32 × 128: in × out
+    before = weight.detach().clone()
+    tokens = torch.randint(0, 64, (2, 8))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    change = weight.detach() - before
+    assert ((change != 0).sum(dim=1) == 1).all()
+    assert torch.allclose(change[change != 0].abs(), torch.tensor(1e-2 * 128 / 32))
+
+
+def test_layerwise_updates_equal_stepping() -> None:
+    from .conftest import tiny_llama
+
+    results = []
+    for layerwise in (False, True):
+        model = tiny_llama()
+        optimizer = slimopt.build_optimizer(model, "taco", lr=1e-3)
+        if layerwise:
+            slimopt.layerwise(optimizer)
+        x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+        for _ in range(3):
+            model(input_ids=x, labels=x).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"k": -1}, r"k must be an integer >= 0 \(0: no history\), got -1"),
+        ({"beta": 1.0}, r"beta must be in \[0, 1\), got 1.0"),
+        ({"history": "full"}, r"unknown history 'full'; valid: sketch, dense"),
+        ({"sketch_values": "int4"}, r"unknown sketch_values 'int4'; valid: fp8, fp32"),
+    ],
+)
+def test_bad_hyperparameters_are_named(options, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        slimopt.TACO([torch.nn.Parameter(torch.randn(4, 4))], **options)
+
+
+def test_a_vector_without_a_fallback_is_refused() -> None:
+    params = [{"params": [torch.nn.Parameter(torch.randn(8))], "name": "norms"}]
+    with pytest.raises(
+        ValueError, match=r"param group 0: the TACO rule \(norms\) updates matrices only.*rule='adamw'"
+    ):
+        slimopt.TACO(params)
+    slimopt.TACO([{"params": [torch.nn.Parameter(torch.randn(8))], "rule": "adamw"}])
+    with pytest.raises(ValueError, match=r"unknown rule 'lion'; valid: adamw, adafactor, taco"):
+        slimopt.TACO([{"params": [torch.nn.Parameter(torch.randn(8))], "rule": "lion"}])

@@ -2,6 +2,7 @@
 
 ``GaLoreAdamW`` and ``GaLoreAdafactor`` are drop-in ``torch.optim`` optimizers (galore-torch's
 param-group convention) with fp32, bf16, int8, int4 or ternary moments (``states=``);
+``TACO`` moves each matrix by one entry per column from a sketch of its gradient history;
 ``build_optimizer`` configures one for a model by name; ``layerwise`` makes it update inside
 backward; ``state_nbytes`` counts its state, ``decoded_state`` reads a parameter's moments and
 ``describe`` says what it does with each parameter.
@@ -11,6 +12,7 @@ from slimopt.describe import describe
 from slimopt.layerwise import LayerwiseHandle, layerwise
 from slimopt.memory import state_nbytes
 from slimopt.optimizer import (
+    TACO,
     AdamW4bit,
     AdamW8bit,
     AdamWTernary,
@@ -23,6 +25,7 @@ from slimopt.optimizer import (
 from slimopt.registry import available_optimizers, build_optimizer, select_target_modules
 
 __all__ = [
+    "TACO",
     "AdamW4bit",
     "AdamW8bit",
     "AdamWTernary",

@@ -52,7 +52,8 @@ from slimopt.projection import (
 )
 from slimopt.projection import rotate as rotate_moment
 from slimopt.projection import sides as projection_sides
-from slimopt.rules import AdafactorRule, AdamWRule, UpdateRule
+from slimopt.rules import RULES, AdafactorRule, AdamWRule, TACORule, UpdateRule
+from slimopt.rules.taco import TACO_DEFAULTS, OneSparse
 
 SUBSPACE_POLICIES = ("keep", "reset", "rotate")
 # Random streams of stochastic rounding within one step of one parameter.
@@ -113,7 +114,7 @@ class GaLoreOptimizer(Optimizer):
         self._refresh_group: Any = None  # spread_refreshes: the processes that share refresh work
         self._decisions = Decisions()  # fused updates under finite flags not yet read (slimopt.finite)
         storage = {**STORAGE_DEFAULTS, "states": self.default_states}
-        super().__init__(params, {**defaults, **PROJECTION_DEFAULTS, **storage, **options})
+        super().__init__(params, {**defaults, "rule": None, **PROJECTION_DEFAULTS, **storage, **options})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (see ``torch.optim.Optimizer``); raises ``ValueError`` for bad hyperparameters."""
@@ -131,10 +132,18 @@ class GaLoreOptimizer(Optimizer):
                 self.param_groups.pop()
                 raise
 
+    def rule_of(self, group: dict[str, Any]) -> UpdateRule:
+        """The update rule of ``group``: the one its ``rule`` names (``slimopt.rules.RULES``), or
+        this optimizer's own when it names none."""
+        return RULES[group["rule"]] if group.get("rule") is not None else self.rule
+
     def _group_errors(self, group: dict[str, Any]) -> list[str]:
         """One message per invalid setting of a complete param group."""
+        if group.get("rule") is not None and group["rule"] not in RULES:
+            valid = ", ".join(RULES)
+            return [f"unknown rule {group['rule']!r}; valid: {valid} (or None: the optimizer's own)"]
         return (
-            self.rule.validate(group)
+            self.rule_of(group).validate(group)
             + _weight_decay_errors(group)
             + _storage_errors(group)
             + _projection_errors(group)
@@ -150,7 +159,9 @@ class GaLoreOptimizer(Optimizer):
             return [f"fused must be None (auto), True or False, got {choice!r}"]
         if choice is not True:
             return []
-        reasons = {reason for p in group["params"] if (reason := kernels.unsupported(self.rule, group, p))}
+        reasons = {
+            reason for p in group["params"] if (reason := kernels.unsupported(self.rule_of(group), group, p))
+        }
         for device_type in {p.device.type for p in group["params"] if not p.is_meta}:
             compiler = kernels.compiler_error(device_type)
             if compiler:
@@ -166,7 +177,8 @@ class GaLoreOptimizer(Optimizer):
         if choice is True:
             return True
         return (
-            kernels.auto_available(param.device.type) and kernels.unsupported(self.rule, group, param) is None
+            kernels.auto_available(param.device.type)
+            and kernels.unsupported(self.rule_of(group), group, param) is None
         )
 
     @property
@@ -180,7 +192,7 @@ class GaLoreOptimizer(Optimizer):
             elif group["fused"] is False:
                 paths.append("reference (fused=False)")
             else:
-                reasons = {kernels.unsupported(self.rule, group, p) for p in params} - {None}
+                reasons = {kernels.unsupported(self.rule_of(group), group, p) for p in params} - {None}
                 if not reasons and kernels.auto_failure():
                     reasons = {f"the fused step did not compile: {kernels.auto_failure()}"}
                 devices = {p.device.type for p in params}
@@ -206,7 +218,7 @@ class GaLoreOptimizer(Optimizer):
                 "(FSDP2), so no process holds whole experts to project; shard them by experts "
                 "outside FSDP2, or leave them out of the experts group"
             ]
-        if not self.rule.elementwise:
+        if not self.rule_of(group).elementwise:
             return [
                 f"{type(self).__name__} needs whole-tensor statistics (RMS, factored means), but "
                 f"parameters {[tuple(p.shape) for p in split]} are split by rows; use an AdamW "
@@ -256,11 +268,11 @@ class GaLoreOptimizer(Optimizer):
         shapes = [
             tuple(p.shape)
             for p in group["params"]
-            if p.is_complex() and (_projected(p, group) or not self.rule.elementwise)
+            if p.is_complex() and (_projected(p, group) or not self.rule_of(group).elementwise)
         ]
         if not shapes:
             return []
-        where = "a projected group (with rank)" if self.rule.elementwise else type(self).__name__
+        where = "a projected group (with rank)" if self.rule_of(group).elementwise else type(self).__name__
         return [
             f"complex parameters {shapes} cannot be updated by {where}; put them in a param "
             "group without rank of an AdamW optimizer (updated as real pairs, like torch.optim)"
@@ -553,8 +565,9 @@ class GaLoreOptimizer(Optimizer):
         layout = self._layout(param, grad.shape)
         generator = self._rounding_generator(param, state, group, layout)
         if "moment_step" not in state:
-            for key, value in self.rule.init_state(grad, group, projected=basis is not None).items():
-                if key in self.rule.moment_kinds:
+            rule = self.rule_of(group)
+            for key, value in rule.init_state(grad, group, projected=basis is not None).items():
+                if key in rule.moment_kinds:
                     self._encode(state, key, value, group, generator, layout)
                 else:
                     state[key] = value
@@ -570,11 +583,11 @@ class GaLoreOptimizer(Optimizer):
             self._unstep(param, state)
             return
         moments = self._decode_all(state, group, grad.shape, layout)
-        direction = self.rule.direction(grad, {**state, **moments}, age, group)
+        direction = self.rule_of(group).direction(grad, {**state, **moments}, age, group)
         for key, value in moments.items():
             self._encode(state, key, value, group, generator, layout)
         with _matrix_of(param) as weights:
-            lr = self.rule.step_size(group, weights, state["step"])
+            lr = self.rule_of(group).step_size(group, weights, state["step"])
             decay = group["weight_decay"]
             rounding = generator if _rounds_stochastically(param, group) else None
             if basis is None:
@@ -602,7 +615,7 @@ class GaLoreOptimizer(Optimizer):
         when there is one; False (nothing changed) when auto mode could not compile it, so the
         reference path takes over."""
         with _matrix_of(param) as weights:
-            lr = self.rule.step_size(group, weights, state["step"])
+            lr = self.rule_of(group).step_size(group, weights, state["step"])
             codecs = self._moment_codecs(group, layout)
             stored = {key: _stored_parts(state, key, codec.parts) for key, codec in codecs.items()}
             matrix = _as_matrix(grad)
@@ -624,7 +637,7 @@ class GaLoreOptimizer(Optimizer):
         """The codec of each moment of the rule, by key, for storage chosen by ``layout``."""
         return {
             key: moment_codec(group["states"], kind, layout, group["block_size"])
-            for key, kind in self.rule.moment_kinds.items()
+            for key, kind in self.rule_of(group).moment_kinds.items()
         }
 
     def _fused_step(
@@ -644,7 +657,7 @@ class GaLoreOptimizer(Optimizer):
         in place), or, without them, the direction returned. Stochastic roundings draw from
         ``generator`` in the reference path's order: the moments', then the weights'."""
         device = grad.device
-        keys = list(self.rule.moment_kinds)
+        keys = list(self.rule_of(group).moment_kinds)
         storages = tuple(kernels.storage_of(codecs[key]) for key in keys)
         tables = tuple(
             codecs[key].tables(device) if storage.kind == "blockwise" else ()
@@ -679,7 +692,7 @@ class GaLoreOptimizer(Optimizer):
         """Whether an update of ``param`` (and its moments' storage) goes by slices of rows;
         ``shape``: the values' shape, if not this process's (a saved shard's)."""
         shape = _values(param).shape if shape is None else shape
-        return not self.projects(param, group) and self.rule.elementwise and sliced(shape)
+        return not self.projects(param, group) and self.rule_of(group).elementwise and sliced(shape)
 
     def _apply_by_row_slices(
         self, param: Tensor, group: dict[str, Any], grad: Tensor, keep: Tensor | None = None
@@ -703,7 +716,7 @@ class GaLoreOptimizer(Optimizer):
         stored = {key: _stored_parts(state, key, storage.sizes) for key, storage in storages.items()}
         generator = self._rounding_generator(param, state, group, self._layout(param, grad.shape))
         age = self._advance(state)
-        lr = self.rule.step_size(group, weights, state["step"])
+        lr = self.rule_of(group).step_size(group, weights, state["step"])
         rounding = generator if _rounds_stochastically(param, group) else None
         fused = not first and self._fused(param, group)
         for index, rows in slices_to_update(*weights.shape, meta=weights.is_meta):
@@ -724,10 +737,10 @@ class GaLoreOptimizer(Optimizer):
                     return
                 keep = None
             if first:
-                moments = self.rule.init_state(slice_grad, group, projected=False)
+                moments = self.rule_of(group).init_state(slice_grad, group, projected=False)
             else:
                 moments = {key: storage.decode(stored[key], index) for key, storage in storages.items()}
-            direction = self.rule.direction(slice_grad, moments, age, group)
+            direction = self.rule_of(group).direction(slice_grad, moments, age, group)
             for key, storage in storages.items():
                 storage.encode(stored[key], index, moments[key], generator)
             _update_weights(weights[rows], direction, lr, 1.0, group["weight_decay"], rounding)
@@ -742,7 +755,7 @@ class GaLoreOptimizer(Optimizer):
         rows, cols = matrix_shape(_values(param).shape if shape is None else shape)
         return {
             key: row_sliced_storage(group["states"], kind, rows, cols, group["block_size"])
-            for key, kind in self.rule.moment_kinds.items()
+            for key, kind in self.rule_of(group).moment_kinds.items()
         }
 
     def decoded_state(self, param: Tensor) -> dict[str, Tensor]:
@@ -807,7 +820,7 @@ class GaLoreOptimizer(Optimizer):
             if key in storages:
                 for part, stored in storages[key].encode_all(value, generator).items():
                     state[state_key(key, part)] = stored
-            elif key in self.rule.moment_kinds:
+            elif key in self.rule_of(group).moment_kinds:
                 self._encode(state, key, value, group, generator, layouts[key])
             else:
                 state[key] = value
@@ -925,7 +938,7 @@ class GaLoreOptimizer(Optimizer):
         generator = self._rounding_generator(param, state, group, layout, SUBSPACE_CHANGE_STREAM)
         for key, value in self._decode_all(state, group, shape, layout).items():
             if policy == "rotate":
-                squared = self.rule.moment_kinds[key] == "square"
+                squared = self.rule_of(group).moment_kinds[key] == "square"
                 value = rotate_moment(value, old, new, squared=squared)
             else:
                 value = torch.zeros_like(value)
@@ -954,7 +967,8 @@ class GaLoreOptimizer(Optimizer):
         generator: torch.Generator | None,
         layout: torch.Size,
     ) -> None:
-        codec = moment_codec(group["states"], self.rule.moment_kinds[key], layout, group["block_size"])
+        kind = self.rule_of(group).moment_kinds[key]
+        codec = moment_codec(group["states"], kind, layout, group["block_size"])
         for part, stored in codec.encode(value, generator).items():
             state[state_key(key, part)] = stored
 
@@ -973,9 +987,8 @@ class GaLoreOptimizer(Optimizer):
         Roundings of one step that follow each other (moments carried to a new basis, then
         updated) must draw from different streams: the same uniform numbers twice would make
         the pair biased."""
-        codecs = [
-            moment_codec(group["states"], kind, layout) for kind in set(self.rule.moment_kinds.values())
-        ]
+        kinds = set(self.rule_of(group).moment_kinds.values())
+        codecs = [moment_codec(group["states"], kind, layout) for kind in kinds]
         if not _rounds_stochastically(param, group) and not any(codec.stochastic for codec in codecs):
             return None
         device = param.device
@@ -1089,8 +1102,8 @@ def _real(tensor: Tensor) -> Tensor:
 
 def _as_matrix(tensor: Tensor) -> Tensor:
     """``tensor`` as ``shape[0] × rest`` (one row for a vector or a scalar): a view where the
-    layout allows one, else a copy."""
-    return tensor.reshape(matrix_shape(tensor.shape))
+    layout allows one, else a copy. A ``OneSparse`` direction (TACO's, of a matrix) is one already."""
+    return tensor if isinstance(tensor, OneSparse) else tensor.reshape(matrix_shape(tensor.shape))
 
 
 @contextmanager
@@ -1113,7 +1126,7 @@ def _rounds_stochastically(param: Tensor, group: dict[str, Any]) -> bool:
 
 def _update_weights(
     weights: Tensor,
-    direction: Tensor,
+    direction: Tensor | OneSparse,
     lr: float | Tensor,
     scale: float,
     weight_decay: float,
@@ -1124,7 +1137,9 @@ def _update_weights(
     target = weights if weights.dtype == torch.float32 else weights.float()
     if weight_decay != 0:
         target.mul_(1 - lr * weight_decay)
-    if isinstance(lr, Tensor):  # a step size computed on the device, without a host sync
+    if isinstance(direction, OneSparse):  # TACO's: one entry per column
+        direction.add_to(target, alpha=-lr * scale)
+    elif isinstance(lr, Tensor):  # a step size computed on the device, without a host sync
         target.sub_(direction.mul_(lr * scale))
     else:
         target.add_(direction, alpha=-lr * scale)
@@ -1323,6 +1338,45 @@ class AdamWTernary(GaLoreAdamW):
     groups with ``rank`` are projected."""
 
     default_states = "ternary"
+
+
+class TACO(GaLoreOptimizer):
+    """TACO: each matrix moves by one entry per column (its largest, ±m/n; ``slimopt.rules.taco``),
+    taken from a per-column sketch of the gradient history (``k`` slots, ``beta``). Its groups
+    take 2-D weights in ``nn.Linear``'s out × in layout (``transposed=True``: in × out);
+    embeddings, the output head and vectors go to fallback groups with ``rule="adamw"`` (and
+    AdamW's ``betas`` and ``eps``), as ``build_optimizer(model, "taco")`` arranges. Storage
+    options apply to the fallback groups' moments.
+    """
+
+    rule = TACORule()
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-4,
+        k: int = TACO_DEFAULTS["k"],
+        beta: float = TACO_DEFAULTS["beta"],
+        sketch_values: str = TACO_DEFAULTS["sketch_values"],
+        history: str = TACO_DEFAULTS["history"],
+        transposed: bool = False,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        **options: Any,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "k": k,
+            "beta": beta,
+            "sketch_values": sketch_values,
+            "history": history,
+            "transposed": transposed,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+        }
+        super().__init__(params, defaults, options)
 
 
 AdamW8bit = GaLoreAdamW8bit

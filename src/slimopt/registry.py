@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from slimopt.codecs.rows import matrix_shape
 from slimopt.optimizer import (
     PROJECTION_DEFAULTS,
+    TACO,
     AdamW4bit,
     AdamWTernary,
     GaLoreAdafactor,
@@ -62,7 +63,10 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "galore_adamw8bit": OptimizerSpec(GaLoreAdamW8bit, projected=True),
     "galore_adamw4bit": OptimizerSpec(AdamW4bit, projected=True),
     "galore_adamw_ternary": OptimizerSpec(AdamWTernary, projected=True),
+    "taco": OptimizerSpec(TACO, projected=False),
 }
+# TACO's fallback for what is not a linear layer's matrix (embeddings, the output head, vectors).
+TACO_FALLBACK = {"rule": "adamw", "states": "int8"}
 
 
 # Hugging Face's ``TrainingArguments.optim`` names for the same configurations, accepted
@@ -291,6 +295,8 @@ def build_optimizer(
     """
     name = resolve_name(name)
     spec = OPTIMIZERS[name]
+    if spec.cls is TACO:
+        return _build_taco(model, lr=lr, rank=rank, target_modules=target_modules, **options)
     if "experts" in options:
         raise ValueError(
             "experts is not an option of build_optimizer: it puts a mixture of experts' stacked "
@@ -350,3 +356,46 @@ def build_optimizer(
         {"name": "no_decay", "params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
     ]
     return spec.cls([g for g in groups if g["params"]], lr=lr, **options)
+
+
+def _build_taco(
+    model: nn.Module,
+    *,
+    lr: float | None,
+    rank: int | None,
+    target_modules: str | list[str] | None,
+    **options: Any,
+) -> GaLoreOptimizer:
+    """``build_optimizer(model, "taco")``: the selected linear layers' weights in a group
+    ``"taco"`` (``Conv1D`` ones in ``"taco_transposed"``), every other matrix in ``"fallback"``
+    and vectors in ``"no_decay"``, both with ``TACO_FALLBACK`` (AdamW, int8 moments; override
+    with ``fallback_states``)."""
+    projection = [key for key in options if key in PROJECTION_DEFAULTS] + ["rank"] * (rank is not None)
+    if projection:
+        raise ValueError(f"taco does not project gradients; remove {', '.join(projection)}")
+    fallback = {**TACO_FALLBACK, "states": options.pop("fallback_states", TACO_FALLBACK["states"])}
+    params = {id(p): p for p in model.parameters() if p.requires_grad}
+    modules = dict(model.named_modules())
+    linear, transposed = [], []
+    for module_name in select_target_modules(model, target_modules):
+        module = modules[module_name]
+        if expert_weights(module) or not module.weight.requires_grad:
+            continue  # stacked experts take the fallback
+        (transposed if is_transposed_linear(module) else linear).append(module.weight)
+    chosen = {id(p) for p in linear + transposed}
+    groups = [
+        {"name": "taco", "params": linear},
+        {"name": "taco_transposed", "params": transposed, "transposed": True},
+        {
+            "name": "fallback",
+            "params": [p for i, p in params.items() if i not in chosen and p.dim() >= 2],
+            **fallback,
+        },
+        {
+            "name": "no_decay",
+            "params": [p for p in params.values() if p.dim() < 2],
+            **fallback,
+            "weight_decay": 0.0,
+        },
+    ]
+    return TACO([g for g in groups if g["params"]], lr=1e-4 if lr is None else lr, **options)

@@ -14,8 +14,9 @@ from torch import Tensor
 
 from slimopt.rules.adafactor import AdafactorRule
 from slimopt.rules.adamw import AdamWRule
+from slimopt.rules.taco import TACORule
 
-__all__ = ["AdafactorRule", "AdamWRule", "UpdateRule"]
+__all__ = ["RULES", "AdafactorRule", "AdamWRule", "TACORule", "UpdateRule"]
 
 
 class UpdateRule(Protocol):
@@ -42,3 +43,7 @@ class UpdateRule(Protocol):
         ``weights``: a number, or a 0-d tensor on the parameter's device when it depends on the
         weights. ``step`` counts the parameter's steps, not the age of its moments (a subspace
         change with the "reset" policy restarts the moments, not the schedule)."""
+
+
+# A param group's ``rule`` (None: its optimizer's own) by name.
+RULES: dict[str, UpdateRule] = {"adamw": AdamWRule(), "adafactor": AdafactorRule(), "taco": TACORule()}

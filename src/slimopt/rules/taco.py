@@ -20,11 +20,14 @@ exponential moving average exactly (``dense_ema_source``, the oracle). Values ar
 fp8 (e4m3) against one fp32 scale per column, indices in int16 (int32 for more than 32767
 rows): ``k · 3 + 4`` bytes per column with int16 indices (k = 27: 85 bytes, the paper's ~86).
 
-This module is the rule's mathematics; the optimizer shell's per-group rules, the registry
-names and the fallback for embeddings, heads and vectors build on it.
+``TACORule`` is the rule as the optimizer shell runs it (``slimopt.TACO``, registry name
+``taco``): matrices in its groups, embeddings, the output head and vectors in fallback groups
+with ``rule="adamw"``.
 """
 
 from __future__ import annotations
+
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -36,10 +39,12 @@ VALUE_FORMATS = ("fp8", "fp32")
 
 def column_top1(source: Tensor) -> tuple[Tensor, Tensor]:
     """For each column of ``source`` (m×n), the row of its largest magnitude and that entry's
-    sign (0 for an all-zero column): two length-n tensors."""
-    rows = source.abs().argmax(dim=0)
-    signs = torch.sign(source.gather(0, rows.unsqueeze(0)).squeeze(0))
-    return rows, signs
+    sign (0 for an all-zero column): two length-n tensors. From the column maxima and minima,
+    so no m×n temporary (|source|) is made."""
+    top, top_rows = source.max(dim=0)
+    bottom, bottom_rows = source.min(dim=0)
+    pick = top.abs() >= bottom.abs()
+    return torch.where(pick, top_rows, bottom_rows), torch.sign(torch.where(pick, top, bottom)).float()
 
 
 def direction_scale(shape: tuple[int, int]) -> float:
@@ -54,13 +59,6 @@ def dense_direction(rows: Tensor, signs: Tensor, shape: tuple[int, int]) -> Tens
     direction = torch.zeros(shape, dtype=torch.float32, device=rows.device)
     direction.scatter_(0, rows.unsqueeze(0), (signs * direction_scale(shape)).unsqueeze(0).float())
     return direction
-
-
-def apply_direction(weights: Tensor, rows: Tensor, signs: Tensor, step: float) -> None:
-    """``weights`` (m×n) ← weights − step · D, touching one entry per column (``scatter_add_``
-    of n values); rounded once into bf16 weights."""
-    update = (signs * (-step * direction_scale(tuple(weights.shape)))).to(weights.dtype).unsqueeze(0)
-    weights.scatter_add_(0, rows.unsqueeze(0), update)
 
 
 def index_dtype(rows: int) -> torch.dtype:
@@ -95,9 +93,14 @@ def update_sketch(sketch: dict[str, Tensor], grad: Tensor, beta: float) -> None:
     k = slots.shape[0]
     grad = grad.float()
     kept = sketch_values(sketch) * beta + grad.gather(0, slots) * (1 - beta)
-    # Candidates: the column's k largest gradient entries, unless a slot holds their row.
-    candidates = grad.abs().topk(k, dim=0).indices
+    # Candidates: the column's k largest and k smallest gradient entries (the k largest
+    # magnitudes are among them; no m×n |grad| is made), unless a slot or the first list holds
+    # their row.
+    largest = grad.topk(k, dim=0).indices
+    smallest = grad.topk(k, dim=0, largest=False).indices
+    candidates = torch.cat([largest, smallest])
     held = (candidates.unsqueeze(1) == slots.unsqueeze(0)).any(dim=1)
+    held[k:] |= (smallest.unsqueeze(1) == largest.unsqueeze(0)).any(dim=1)
     offered = grad.gather(0, candidates) * (1 - beta)
     score = torch.where(held, -1.0, offered.abs())
     # Slots first: among equal magnitudes a slot stays (sorting is stable).
@@ -140,3 +143,94 @@ def _store(sketch: dict[str, Tensor], rows: Tensor, values: Tensor) -> None:
     scale = torch.where(peak > 0, peak / FP8_MAX, 1.0)
     sketch["sketch_scale"].copy_(scale)
     sketch["sketch_values"].copy_((values / scale).to(torch.float8_e4m3fn))
+
+
+class OneSparse(NamedTuple):
+    """A direction with one entry per column: ``values[j]`` at row ``rows[j]`` of column j (of
+    the transposed weights when ``transposed``). ``add_to`` applies it."""
+
+    rows: Tensor
+    values: Tensor
+    transposed: bool
+
+    def add_to(self, weights: Tensor, alpha: float) -> None:
+        """``weights`` += alpha · direction, one ``scatter_add_`` of n values (in place)."""
+        target = weights.T if self.transposed else weights
+        target.scatter_add_(0, self.rows.unsqueeze(0), (self.values * alpha).to(weights.dtype).unsqueeze(0))
+
+
+# The rule's hyperparameters (per param group) and their defaults.
+TACO_DEFAULTS: dict[str, Any] = {"k": 16, "beta": 0.9, "sketch_values": "fp8", "history": "sketch"}
+HISTORIES = ("sketch", "dense")
+
+
+class TACORule:
+    """TACO as an update rule of the optimizer shell: the direction is ``column_top1`` of the
+    gradient (``k = 0``), of the sketch (``history="sketch"``) or of a dense fp32 moving average
+    (``history="dense"``, the oracle), returned as a ``OneSparse`` of n entries that the shell
+    adds to the weights. Hyperparameters per group: ``k``, ``beta``, ``sketch_values``
+    ({"fp8", "fp32"}) and ``history`` (``TACO_DEFAULTS``)."""
+
+    moment_kinds: ClassVar[dict[str, str]] = {}  # its state is its own, not a codec's moments
+    elementwise: ClassVar[bool] = False  # a column's largest entry needs the whole column
+
+    def validate(self, group: dict[str, Any]) -> list[str]:
+        settings = {key: group.get(key, default) for key, default in TACO_DEFAULTS.items()}
+        name = group.get("name")
+        where = f" ({name})" if name else ""
+        errors = []
+        k = settings["k"]
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            errors.append(f"k must be an integer >= 0 (0: no history), got {k!r}")
+        if not (isinstance(settings["beta"], (int, float)) and 0.0 <= settings["beta"] < 1.0):
+            errors.append(f"beta must be in [0, 1), got {settings['beta']!r}")
+        if settings["sketch_values"] not in VALUE_FORMATS:
+            errors.append(
+                f"unknown sketch_values {settings['sketch_values']!r}; valid: {', '.join(VALUE_FORMATS)}"
+            )
+        if settings["history"] not in HISTORIES:
+            errors.append(f"unknown history {settings['history']!r}; valid: {', '.join(HISTORIES)}")
+        if not group["lr"] >= 0.0:
+            errors.append(f"lr must be >= 0, got {group['lr']!r}")
+        if "rank" in group:
+            errors.append("the TACO rule takes no rank: its direction is one entry per column already")
+        shapes = [tuple(p.shape) for p in group["params"] if p.dim() != 2]
+        if shapes:
+            errors.append(
+                f"the TACO rule{where} updates matrices only; parameters of shapes {shapes} need a "
+                "fallback: put them in a param group with rule='adamw' (build_optimizer(model, "
+                "'taco') does)"
+            )
+        return errors
+
+    def init_state(self, grad: Tensor, group: dict[str, Any], *, projected: bool) -> dict[str, Tensor]:
+        settings = {key: group.get(key, default) for key, default in TACO_DEFAULTS.items()}
+        shape = tuple(grad.T.shape if group.get("transposed", False) else grad.shape)
+        if grad.numel() == 0:  # an empty matrix never moves
+            return {}
+        if settings["history"] == "dense":
+            return {"taco_average": torch.zeros(shape, dtype=torch.float32, device=grad.device)}
+        if settings["k"] == 0:
+            return {}
+        return empty_sketch(shape, settings["k"], settings["sketch_values"], grad.device)
+
+    def direction(self, grad: Tensor, state: dict[str, Tensor], age: int, group: dict[str, Any]) -> OneSparse:
+        beta = group.get("beta", TACO_DEFAULTS["beta"])
+        transposed = group.get("transposed", False)
+        if transposed:  # weights stored in × out: TACO's columns are their rows
+            grad = grad.T
+        shape = tuple(grad.shape)
+        if grad.numel() == 0:
+            nothing = grad.new_zeros(0, dtype=torch.long)
+            return OneSparse(nothing, grad.new_zeros(0), transposed)
+        if "taco_average" in state:
+            rows, signs = dense_ema_source(state["taco_average"], grad, beta)
+        elif "sketch_rows" in state:
+            update_sketch(state, grad, beta)
+            rows, signs = sketch_source(state, shape)
+        else:
+            rows, signs = column_top1(grad)
+        return OneSparse(rows, signs * direction_scale(shape), transposed)
+
+    def step_size(self, group: dict[str, Any], weights: Tensor, step: int) -> float:
+        return group["lr"]
