@@ -273,3 +273,28 @@ def test_an_experts_checkpoint_loads_into_another_storage_format() -> None:
     for unit, twin in zip(loading.units(weight, group), saved.units(weight, group), strict=True):
         assert torch.equal(loading.basis(unit, group).right, saved.basis(twin, group).right)
 
+
+@pytest.mark.slow
+def test_the_architectures_benchmark_runs_end_to_end(tmp_path) -> None:
+    """``python -m benchmarks.architectures --tiny``: two families (GPT-2, Mixtral) and the QLoRA
+    fine-tuning row (a base pretrained for 2 steps, quantized to NF4), AdamW and
+    galore_adamw_ternary (not on adapters), a few steps; the table, the sweep, the JSON and the
+    plot."""
+    from benchmarks import architectures
+
+    results = architectures.main(["--tiny", "--rows", "gpt2,mixtral,qlora", "--out", str(tmp_path)])
+    rows = {row["task"]: row for row in results["rows"]}
+    assert list(rows) == ["GPT-2 LM", "Mixtral (MoE) LM", "LLaMA → histories, QLoRA r16 (NF4 base)"]
+    assert set(rows["LLaMA → histories, QLoRA r16 (NF4 base)"]["optimizers"]) == {"adamw"}
+    for name in ("GPT-2 LM", "Mixtral (MoE) LM"):
+        entries = rows[name]["optimizers"]
+        assert set(entries) == {"adamw", "galore_adamw_ternary"}
+        for entry in entries.values():
+            assert torch.isfinite(torch.tensor(entry["metric"])) and entry["state_bytes"] > 0
+            assert entry["peak_bytes"] > entry["state_bytes"]
+        # Per-expert projection keeps less state than AdamW's whole moments.
+        assert entries["galore_adamw_ternary"]["state_bytes"] < entries["adamw"]["state_bytes"]
+    table = (tmp_path / "results.md").read_text()
+    assert "| Mixtral (MoE) LM | val loss |" in table and "metric by learning rate" in table
+    assert "| LLaMA → histories, QLoRA r16 (NF4 base) | val loss |" in table
+    assert (tmp_path / "quality_vs_bytes.png").stat().st_size > 0
