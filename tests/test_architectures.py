@@ -41,6 +41,137 @@ def qwen2_tied() -> torch.nn.Module:
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL_DECODER, tie_word_embeddings=True))
 
 
+def gpt_neox() -> torch.nn.Module:
+    config = transformers.GPTNeoXConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4
+    )
+    return transformers.GPTNeoXForCausalLM(config)
+
+
+def opt() -> torch.nn.Module:
+    config = transformers.OPTConfig(
+        vocab_size=128,
+        hidden_size=64,
+        ffn_dim=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        word_embed_proj_dim=64,
+    )
+    return transformers.OPTForCausalLM(config)
+
+
+def bert() -> torch.nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=256,
+        num_labels=3,
+    )
+    return transformers.BertForSequenceClassification(config)
+
+
+def t5() -> torch.nn.Module:
+    config = transformers.T5Config(
+        vocab_size=128,
+        d_model=64,
+        d_ff=128,
+        d_kv=16,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def vit() -> torch.nn.Module:
+    config = transformers.ViTConfig(
+        image_size=8,
+        patch_size=2,
+        num_channels=1,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=128,
+        num_labels=10,
+    )
+    return transformers.ViTForImageClassification(config)
+
+
+# What the default selection projects in each family (one layer each): every linear layer but
+# the language-model head; a classifier has no output embedding, so it is projected too.
+EXPECTED_PROJECTED = {
+    gpt_neox: {
+        f"gpt_neox.layers.0.{name}.weight"
+        for name in ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+    },
+    opt: {
+        f"model.decoder.layers.0.{name}.weight"
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.out_proj",
+            "fc1",
+            "fc2",
+        )
+    },
+    bert: {
+        *(
+            f"bert.encoder.layer.0.{name}.weight"
+            for name in (
+                "attention.self.query",
+                "attention.self.key",
+                "attention.self.value",
+                "attention.output.dense",
+                "intermediate.dense",
+                "output.dense",
+            )
+        ),
+        "bert.pooler.dense.weight",
+        "classifier.weight",
+    },
+    t5: {
+        *(
+            f"{side}.block.0.layer.0.SelfAttention.{x}.weight"
+            for side in ("encoder", "decoder")
+            for x in "qkvo"
+        ),
+        *(f"decoder.block.0.layer.1.EncDecAttention.{x}.weight" for x in "qkvo"),
+        *(f"encoder.block.0.layer.1.DenseReluDense.{x}.weight" for x in ("wi", "wo")),
+        *(f"decoder.block.0.layer.2.DenseReluDense.{x}.weight" for x in ("wi", "wo")),
+    },
+    vit: {
+        *(f"vit.layers.0.attention.{x}_proj.weight" for x in "qkvo"),
+        "vit.layers.0.mlp.fc1.weight",
+        "vit.layers.0.mlp.fc2.weight",
+        "classifier.weight",
+    },
+}
+
+
+@pytest.mark.parametrize("family", list(EXPECTED_PROJECTED), ids=lambda f: f.__name__)
+def test_each_family_projects_exactly_its_linear_layers_on_the_smaller_side(family) -> None:
+    from slimopt.projection import sides
+
+    model = family()
+    optimizer = slimopt.build_optimizer(model, "galore_adamw", lr=1e-3, rank=8)
+    assert set(_projected_names(model, optimizer)) == EXPECTED_PROJECTED[family]
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if "rank" in group:
+                rows, cols = param.shape
+                assert sides((rows, cols), group["proj_type"]) == (
+                    (False, True) if rows >= cols else (True, False)
+                )
+            else:
+                assert names[id(param)] not in EXPECTED_PROJECTED[family]
+
+
 def _projected_names(model: torch.nn.Module, optimizer: slimopt.GaLoreOptimizer) -> dict[str, str]:
     names = {id(p): n for n, p in model.named_parameters()}
     return {
@@ -80,16 +211,27 @@ def test_a_named_side_of_a_conv1d_weight_is_the_linear_layers_side() -> None:
     assert isinstance(basis, Basis) and basis.left is None and tuple(basis.right.shape) == (8, 256)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "mixtral", "qwen2_tied"])
+def _inputs(family) -> dict[str, torch.Tensor]:
+    if family is vit:
+        return {"pixel_values": torch.rand(2, 1, 8, 8), "labels": torch.tensor([3, 7])}
+    tokens = torch.randint(2, 128, (2, 16))
+    if family is bert:
+        return {"input_ids": tokens, "labels": torch.tensor([0, 2])}
+    return {"input_ids": tokens, "labels": tokens}
+
+
+@pytest.mark.parametrize(
+    "family", [gpt2, mixtral, qwen2_tied, gpt_neox, opt, bert, t5, vit], ids=lambda f: f.__name__
+)
 def test_every_family_trains_with_every_registry_optimizer(family) -> None:
     for name in slimopt.available_optimizers():
         torch.manual_seed(0)
-        model = {"gpt2": gpt2, "mixtral": mixtral, "qwen2_tied": qwen2_tied}[family]()
+        model = family()
         options = {"rank": 8} if name.startswith("galore") else {}
         optimizer = slimopt.build_optimizer(model, name, lr=1e-3, **options)
-        tokens = torch.randint(0, 128, (2, 16))
+        inputs = _inputs(family)
         for _ in range(2):
-            loss = model(input_ids=tokens, labels=tokens).loss
+            loss = model(**inputs).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
