@@ -102,7 +102,7 @@ class GaLoreOptimizer(Optimizer):
         defaults: dict[str, Any],
         options: dict[str, Any],
     ) -> None:
-        valid = ["rank", *PROJECTION_DEFAULTS, *STORAGE_DEFAULTS]
+        valid = ["rank", "rule", *PROJECTION_DEFAULTS, *STORAGE_DEFAULTS]
         unknown = sorted(set(options) - set(valid))
         if unknown:
             raise TypeError(f"unknown option(s) {', '.join(unknown)}; valid options: {', '.join(valid)}")
