@@ -313,3 +313,14 @@ def test_trainer_under_torchrun_ddp(tmp_path) -> None:
         assert first["optimizer"] == "GaLoreAdamW8bit"
         assert first["parameters"] == second["parameters"]
         assert len(first["losses"]) == 8 and first["losses"][-1] < first["losses"][0] - 1.0
+
+
+def test_taco_layerwise_trains_under_the_trainer(shakespeare_tokens, tmp_path) -> None:
+    """``taco_layerwise``: TACO's one-entry-per-column updates inside backward (its fallback
+    groups AdamW), driven by the Trainer."""
+    trainer = _train(shakespeare_tokens, tmp_path, "taco_layerwise", optim_args=None, learning_rate=3e-3)
+    losses = _logged(trainer, "loss")
+    assert len(losses) == 8 and sum(losses[-3:]) / 3 < losses[0] - 0.3
+    optimizer = trainer.optimizer.optimizer
+    assert type(optimizer).__name__ == "TACO" and optimizer.layerwise_handle is not None
+    assert {g["name"] for g in optimizer.param_groups} == {"taco", "fallback", "no_decay"}
