@@ -116,7 +116,7 @@ def compiler_error(device_type: str) -> str | None:
     needs a C++ compiler for the CPU and Triton for CUDA."""
     if not torch._dynamo.is_dynamo_supported():
         return "torch.compile is not supported on this Python"
-    if device_type == "cuda" and importlib.util.find_spec("triton") is None:
+    if device_type == "cuda" and not _triton_installed():
         return "torch.compile needs Triton for CUDA, and it is not installed"
     if device_type == "cpu" and not any(
         shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++") if c
@@ -230,7 +230,7 @@ def _triton_installed() -> bool:
 def triton_handles(storages: Storages) -> bool:
     """Whether the hand-written Triton kernel (``triton_adamw``) covers moments stored as
     ``storages``: elementwise formats, blocks of one (even) size where both are blockwise."""
-    elementwise = all(storage.kind in ("fp32", "bf16", "blockwise") for storage in storages)
+    elementwise = not any(storage.kind in formats.MATRIX_KINDS for storage in storages)
     if not (elementwise and _triton_installed()):
         return False
     sizes = {storage.block_size for storage in storages if storage.kind == "blockwise"}
