@@ -8,8 +8,11 @@
   2, ternary: 1); a ternary moment is encoded in three more compiled regions (row and column
   scales, block exponents, digits: ``slimopt.kernels.formats``), each a pass that Inductor
   would otherwise fuse with the next into slower loops.
-- Per step: 3 for the decision on non-finite gradients, taken for all tensors at once (one
-  multi-tensor norm, stacked, tested), and 3 more for the projected gradients' when there are
+- Per tensor, 1 per finiteness vote (its minimum and maximum: ``slimopt.finite``; on CUDA one
+  multi-tensor norm serves all tensors instead): a projected matrix votes on its gradient and
+  on the projected gradient.
+- Per step: 3 for the decision on non-finite gradients, taken for all tensors at once (the
+  votes stacked, tested, combined per tensor), and 3 more for the projected gradients' when there are
   projected matrices, and 3 to combine the two for the projected matrices; the fused path
   leaves the decisions on the device (``slimopt.finite``) and the step ends with 1 more, which
   gathers them for the host to read later. Nothing waits for the device.
@@ -45,6 +48,7 @@ METADATA = {
     "TorchDynamo Cache Lookup",
 }
 PER_TENSOR = {"unprojected": 1, "projected": 5}
+VOTES = {"unprojected": 1, "projected": 2}
 # Per tensor, by storage format: seed draws and compiled regions beyond the fused step's one.
 SEEDS = {"fp32": 0, "int8": 0, "int4": 0, "bf16": 2, "ternary": 1}
 PHASES = {"fp32": 0, "int8": 0, "int4": 0, "bf16": 0, "ternary": 3}
@@ -81,7 +85,7 @@ def test_fused_step_stays_within_its_launch_budget(kinds, states) -> None:
         params = [torch.nn.Parameter(torch.randn(512, 256)) for _ in range(COUNT)]
         groups.append({"params": params} if kind == "unprojected" else {"params": params, "rank": 32})
     counted = _operations_per_step(groups, states)
-    per_tensor = {kind: PER_TENSOR[kind] + SEEDS[states] + PHASES[states] for kind in kinds}
+    per_tensor = {kind: PER_TENSOR[kind] + VOTES[kind] + SEEDS[states] + PHASES[states] for kind in kinds}
     budget = sum(COUNT * per_tensor[kind] for kind in kinds) + PER_VOTE * len(kinds) + PER_STEP
     budget += COMBINE * ("projected" in kinds)
     assert sum(counted.values()) <= budget, dict(counted)

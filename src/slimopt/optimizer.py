@@ -38,7 +38,7 @@ from slimopt.distributed import (
     row_sharding,
     split_by_rows,
 )
-from slimopt.finite import Decisions, finite_flags
+from slimopt.finite import Decisions, all_finite, finite_flags
 from slimopt.finite import read as finite_read
 from slimopt.projection import (
     PROJ_METHODS,
@@ -550,7 +550,7 @@ class GaLoreOptimizer(Optimizer):
         fused path; None: decided here)."""
         state = self.state_of(param)
         if finite is None:
-            finite = self._agreed(param, _all_finite(grad))
+            finite = self._agreed(param, all_finite(grad))
         keep = finite if isinstance(finite, Tensor) else None
         if keep is not None and not self._decides_on_device(param, group):
             finite, keep = bool(keep), None
@@ -884,7 +884,7 @@ class GaLoreOptimizer(Optimizer):
         decomposition fails, keep the old one and warn."""
         old = self.basis(param, group)
         has_old = old is not None
-        if not self._agreed(param, _all_finite(grad)):
+        if not self._agreed(param, all_finite(grad)):
             self._warn(param, state, "non-finite gradient at a projection refresh; keeping the old basis")
             return
         if not grad.is_meta and self._agreed(param, not bool(grad.any())):
@@ -913,7 +913,7 @@ class GaLoreOptimizer(Optimizer):
         except RuntimeError as error:
             self._warn(param, state, f"projection refresh failed ({error}); keeping the old basis")
             return
-        if not all(_all_finite(b) for b in new if b is not None):
+        if not all(all_finite(b) for b in new if b is not None):
             self._warn(param, state, "projection refresh produced non-finite values; keeping the old basis")
             return
         if has_old and "moment_step" in state:
@@ -1207,15 +1207,6 @@ def _storage_errors(group: dict[str, Any]) -> list[str]:
             f"block_size must be a power of two >= 4 (or None for the format's default), got {size!r}"
         )
     return errors
-
-
-def _all_finite(tensor: Tensor) -> bool:
-    """Whether every element is finite. A sum is finite only if all elements are, and costs a
-    fraction of ``isfinite().all()``; the exact test runs only when the sum overflows or is NaN.
-    A meta tensor (the memory planner's dry run) has no values and counts as finite."""
-    if tensor.is_meta:
-        return True
-    return bool(tensor.sum().isfinite()) or bool(torch.isfinite(tensor).all())
 
 
 def _projection_errors(group: dict[str, Any]) -> list[str]:
