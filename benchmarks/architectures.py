@@ -427,12 +427,20 @@ def tasks(names: list[str] | None = None, out: Path | None = None, pretrain_step
 # ----------------------------------------------------------------------------- runs
 
 
-def train_once(task: Task, optimizer_name: str, lr: float, steps: int, batch_size: int) -> dict[str, Any]:
+def train_once(
+    task: Task,
+    optimizer_name: str,
+    lr: float,
+    steps: int,
+    batch_size: int,
+    options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Train ``task``'s model from a fixed initialization; its metric, state bytes, peak bytes
-    of one training step (weights, gradients, activations and state: ``LiveBytes``) and time."""
+    of one training step (weights, gradients, activations and state: ``LiveBytes``) and time.
+    ``options`` go to ``build_optimizer``."""
     torch.manual_seed(0)
     model = task.build()
-    optimizer = slimopt.build_optimizer(model, optimizer_name, lr=lr, weight_decay=0.0)
+    optimizer = slimopt.build_optimizer(model, optimizer_name, lr=lr, weight_decay=0.0, **(options or {}))
     warmup = max(1, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / warmup))
     generator = torch.Generator().manual_seed(1)
@@ -472,7 +480,7 @@ def learning_rates(optimizer_name: str) -> list[float]:
     return list(LEARNING_RATES)
 
 
-def _better(metric: str, a: float, b: float) -> bool:
+def better(metric: str, a: float, b: float) -> bool:
     if b != b:  # NaN: anything beats it
         return True
     return a < b if metric == "loss" else a > b
@@ -494,7 +502,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             best = None
             for lr, outcome in sweep.items():
-                if best is None or _better(task.metric, outcome["metric"], sweep[best]["metric"]):
+                if best is None or better(task.metric, outcome["metric"], sweep[best]["metric"]):
                     best = lr
             row["optimizers"][name] = {
                 "best_lr": best,

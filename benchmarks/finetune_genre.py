@@ -102,16 +102,7 @@ def fine_tune(
 ) -> tuple[nn.Module, int]:
     """The fine-tuned model and the bytes of its optimizer state."""
     if row.lora_rank is not None:
-        import peft
-
-        lora = peft.LoraConfig(
-            r=row.lora_rank,
-            lora_alpha=2 * row.lora_rank,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-            modules_to_save=["score"],
-            task_type="SEQ_CLS",
-        )
-        model = peft.get_peft_model(model, lora)
+        model = with_lora(model, row.lora_rank)
     target = TARGETS if slimopt.registry.OPTIMIZERS[row.optimizer].projected else None
     optimizer = slimopt.build_optimizer(
         model, row.optimizer, lr=row.lr, target_modules=target, weight_decay=0.0, **row.options
@@ -131,6 +122,21 @@ def fine_tune(
     return model, slimopt.state_nbytes(optimizer)
 
 
+def with_lora(model: nn.Module, rank: int) -> nn.Module:
+    """``model`` with LoRA adapters of ``rank`` (α = 2·rank) on the attention and MLP matrices;
+    the classification head trains in full."""
+    import peft
+
+    lora = peft.LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        modules_to_save=["score"],
+        task_type="SEQ_CLS",
+    )
+    return peft.get_peft_model(model, lora)
+
+
 @torch.no_grad()
 def accuracy(model: nn.Module, test_set: list, batch_size: int = 64) -> float:
     model.eval()
@@ -142,8 +148,19 @@ def accuracy(model: nn.Module, test_set: list, batch_size: int = 64) -> float:
     return correct / len(test_set)
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Pretrain (or reuse ``out/pretrain``), fine-tune every row, write and return the results."""
+@dataclass
+class Setup:
+    """What every row starts from: the pretrained weights and config, and the passages."""
+
+    weights: dict[str, torch.Tensor]
+    config: Any
+    pad_id: int
+    train_set: list
+    test_set: list
+
+
+def prepare(args: argparse.Namespace) -> Setup:
+    """Pretrain (or reuse ``args.out/pretrain``) and cut the passages (``main``'s arguments)."""
     from safetensors.torch import load_file
 
     out = Path(args.out)
@@ -167,11 +184,19 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     weights = load_file(str(checkpoint / "model.safetensors"))
     config = build_model(pretrain, tokenizer.vocab_size).config
     train_set, test_set = passages(tokenizer, args.seq_len, args.max_per_play)
+    return Setup(weights, config, tokenizer.eos_id, train_set, test_set)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Pretrain (or reuse ``out/pretrain``), fine-tune every row, write and return the results."""
+    out = Path(args.out)
+    setup = prepare(args)
+    train_set, test_set = setup.train_set, setup.test_set
     majority = max(sum(label == k for _, label in test_set) for k in range(len(LABELS))) / len(test_set)
     results = []
     for row in ROWS:
         began = time.perf_counter()
-        model = classifier(weights, config, tokenizer.eos_id)
+        model = classifier(setup.weights, setup.config, setup.pad_id)
         model, state_bytes = fine_tune(row, model, train_set, args.steps, args.batch_size)
         results.append(
             {

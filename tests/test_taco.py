@@ -200,6 +200,18 @@ def test_build_optimizer_routes_what_is_not_a_linear_matrix_to_the_fallback() ->
     assert losses[-1] < losses[0]
 
 
+def test_the_fallback_takes_its_own_learning_rate_and_a_scheduler_scales_both() -> None:
+    from .conftest import tiny_llama
+
+    optimizer = slimopt.build_optimizer(tiny_llama(), "taco", lr=0.05, fallback_lr=1e-3)
+    lrs = {g["name"]: g["lr"] for g in optimizer.param_groups}
+    assert lrs == {"taco": 0.05, "fallback": 1e-3, "no_decay": 1e-3}
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 0.5)
+    assert {g["name"]: g["lr"] for g in optimizer.param_groups} == {k: v * 0.5 for k, v in lrs.items()}
+    with pytest.raises(ValueError, match="fallback_lr must be a number >= 0, got -1"):
+        slimopt.build_optimizer(tiny_llama(), "taco", lr=0.05, fallback_lr=-1)
+
+
 def test_a_conv1d_weight_moves_one_entry_per_input_feature() -> None:
     """GPT-2 stores its layers in × out: TACO's columns (input features) are its rows."""
     transformers = pytest.importorskip("transformers")
@@ -258,3 +270,52 @@ def test_a_vector_without_a_fallback_is_refused() -> None:
     slimopt.TACO([{"params": [torch.nn.Parameter(torch.randn(8))], "rule": "adamw"}])
     with pytest.raises(ValueError, match=r"unknown rule 'lion'; valid: adamw, adafactor, taco"):
         slimopt.TACO([{"params": [torch.nn.Parameter(torch.randn(8))], "rule": "lion"}])
+
+
+# ----------------------------------------------------------------------------- convergence
+
+# The documented bound (README, TACO): on this small fine-tune the sketch's (k = 16) validation
+# loss is within 1% of the dense oracle's, and TACO's matrix updates take at least 0.5% off the
+# loss of the same run with the matrices frozen (only the fallback training).
+ORACLE_BOUND = 0.01
+GAIN_OVER_FROZEN = 0.005
+
+
+@pytest.mark.slow
+def test_a_small_fine_tune_converges_within_the_bound_of_the_oracle(shakespeare_tokens) -> None:
+    from .conftest import tiny_llama
+
+    def windows(source, generator, count):
+        starts = torch.randint(0, len(source) - 64, (count,), generator=generator)
+        return torch.stack([source[i : i + 64] for i in starts])
+
+    def train(model, optimizer, source, steps, seed):
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            x = windows(source, generator, 8)
+            model(input_ids=x, labels=x).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    pretraining, adaptation, validation = (
+        shakespeare_tokens[:300_000],
+        shakespeare_tokens[300_000:380_000],
+        shakespeare_tokens[380_000:400_000],
+    )
+    base = tiny_llama()
+    train(base, torch.optim.AdamW(base.parameters(), lr=3e-3), pretraining, 100, seed=0)
+    held_out = windows(validation, torch.Generator().manual_seed(5), 64)
+
+    def fine_tuned(lr, **options):
+        model = tiny_llama()
+        model.load_state_dict(base.state_dict())
+        optimizer = slimopt.build_optimizer(
+            model, "taco", lr=lr, fallback_lr=1e-3, weight_decay=0.0, **options
+        )
+        train(model, optimizer, adaptation, 60, seed=1)
+        with torch.no_grad():
+            return float(model(input_ids=held_out, labels=held_out).loss)
+
+    frozen, sketch, oracle = fine_tuned(0.0), fine_tuned(3e-3, k=16), fine_tuned(3e-3, history="dense")
+    assert abs(sketch - oracle) <= ORACLE_BOUND * oracle, (sketch, oracle)
+    assert max(sketch, oracle) <= (1 - GAIN_OVER_FROZEN) * frozen, (sketch, oracle, frozen)

@@ -369,11 +369,17 @@ def _build_taco(
     """``build_optimizer(model, "taco")``: the selected linear layers' weights in a group
     ``"taco"`` (``Conv1D`` ones in ``"taco_transposed"``), every other matrix in ``"fallback"``
     and vectors in ``"no_decay"``, both with ``TACO_FALLBACK`` (AdamW, int8 moments; override
-    with ``fallback_states``)."""
+    with ``fallback_states``) and the learning rate ``fallback_lr`` (default ``lr``): a TACO
+    step moves one entry per column, an AdamW step every entry, so their best rates differ."""
     projection = [key for key in options if key in PROJECTION_DEFAULTS] + ["rank"] * (rank is not None)
     if projection:
         raise ValueError(f"taco does not project gradients; remove {', '.join(projection)}")
     fallback = {**TACO_FALLBACK, "states": options.pop("fallback_states", TACO_FALLBACK["states"])}
+    fallback_lr = options.pop("fallback_lr", None)
+    if fallback_lr is not None:
+        if isinstance(fallback_lr, bool) or not isinstance(fallback_lr, (int, float)) or not fallback_lr >= 0:
+            raise ValueError(f"fallback_lr must be a number >= 0, got {fallback_lr!r}")
+        fallback["lr"] = float(fallback_lr)
     params = {id(p): p for p in model.parameters() if p.requires_grad}
     modules = dict(model.named_modules())
     linear, transposed = [], []
