@@ -128,16 +128,18 @@ def _digits() -> tuple[Tensor, Tensor, Tensor, Tensor]:
 # ----------------------------------------------------------------------------- models
 
 
-def _decoder(family: str) -> nn.Module:
+def decoder(family: str, layers: int = 2) -> nn.Module:
+    """A small decoder language model of ``family`` (llama, gpt2, qwen2 with grouped-query
+    attention and a tied embedding, gpt_neox, opt, mixtral with 4 experts) over 256 tokens."""
     import transformers as t
 
-    common = {"vocab_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4}
+    common = {"vocab_size": 256, "num_hidden_layers": layers, "num_attention_heads": 4}
     configs = {
         "llama": lambda: t.LlamaForCausalLM(
             t.LlamaConfig(**common, hidden_size=64, intermediate_size=172, max_position_embeddings=SEQ_LEN)
         ),
         "gpt2": lambda: t.GPT2LMHeadModel(
-            t.GPT2Config(vocab_size=256, n_layer=2, n_head=4, n_embd=64, n_positions=SEQ_LEN)
+            t.GPT2Config(vocab_size=256, n_layer=layers, n_head=4, n_embd=64, n_positions=SEQ_LEN)
         ),
         "qwen2": lambda: t.Qwen2ForCausalLM(
             t.Qwen2Config(
@@ -213,7 +215,7 @@ def _lm_task(family: str, name: str, data: tuple[Tensor, Tensor]) -> Task:
     def evaluate(model: nn.Module) -> float:
         return float(model(input_ids=valid_batch, labels=valid_batch).loss)
 
-    return Task(name, "loss", lambda: _decoder(family), batch, evaluate)
+    return Task(name, "loss", lambda: decoder(family), batch, evaluate)
 
 
 def _classification_task(
@@ -237,13 +239,14 @@ def _classification_task(
     return Task(name, "accuracy", build, batch, evaluate)
 
 
-def _bert() -> nn.Module:
+def bert(layers: int = 2) -> nn.Module:
+    """A small BERT classifier (3 labels) over 256 tokens."""
     import transformers as t
 
     config = t.BertConfig(
         vocab_size=256,
         hidden_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         intermediate_size=256,
         max_position_embeddings=SEQ_LEN,
@@ -252,7 +255,8 @@ def _bert() -> nn.Module:
     return t.BertForSequenceClassification(config)
 
 
-def _vit() -> nn.Module:
+def vit(layers: int = 2) -> nn.Module:
+    """A small ViT classifier (10 labels) of 8×8 one-channel images."""
     import transformers as t
 
     config = t.ViTConfig(
@@ -260,7 +264,7 @@ def _vit() -> nn.Module:
         patch_size=2,
         num_channels=1,
         hidden_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         intermediate_size=128,
         num_labels=10,
@@ -268,9 +272,26 @@ def _vit() -> nn.Module:
     return t.ViTForImageClassification(config)
 
 
-def _t5_task() -> Task:
+def t5(layers: int = 2) -> nn.Module:
+    """A small T5 over 128 tokens (letters are their ASCII codes)."""
     import transformers as t
 
+    config = t.T5Config(
+        vocab_size=128,
+        d_model=64,
+        d_ff=128,
+        d_kv=16,
+        num_layers=layers,
+        num_decoder_layers=layers,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return t.T5ForConditionalGeneration(config)
+
+
+def _t5_task() -> Task:
     letters = 12
 
     def sample(generator: torch.Generator, size: int) -> tuple[Tensor, Tensor]:
@@ -278,21 +299,6 @@ def _t5_task() -> Task:
         return source, source.flip(1)
 
     test_source, test_target = sample(torch.Generator().manual_seed(10**6), 256)
-
-    def build() -> nn.Module:
-        config = t.T5Config(
-            vocab_size=128,
-            d_model=64,
-            d_ff=128,
-            d_kv=16,
-            num_layers=2,
-            num_decoder_layers=2,
-            num_heads=4,
-            decoder_start_token_id=0,
-            pad_token_id=0,
-            eos_token_id=1,
-        )
-        return t.T5ForConditionalGeneration(config)
 
     def batch(generator: torch.Generator, size: int) -> dict[str, Tensor]:
         source, target = sample(generator, size)
@@ -303,7 +309,7 @@ def _t5_task() -> Task:
         logits = model(input_ids=test_source, labels=test_target).logits
         return float((logits.argmax(-1) == test_target).float().mean())
 
-    return Task("T5 (reverse 12 letters)", "accuracy", build, batch, evaluate)
+    return Task("T5 (reverse 12 letters)", "accuracy", t5, batch, evaluate)
 
 
 FINETUNE_DIMS = {
@@ -406,12 +412,12 @@ def tasks(names: list[str] | None = None, out: Path | None = None, pretrain_step
             if wanted is None or family in wanted
         ]
     if wanted is None or "bert" in wanted:
-        rows.append(_classification_task("BERT (genre)", _bert, "input_ids", *_genre_passages()))
+        rows.append(_classification_task("BERT (genre)", bert, "input_ids", *_genre_passages()))
     if wanted is None or "t5" in wanted:
         rows.append(_t5_task())
     if wanted is None or wanted & {"vit", "convnet"}:
         images, labels, test_images, test_labels = _digits()
-        for key, label, build in (("vit", "ViT (digits)", _vit), ("convnet", "ConvNet (digits)", ConvNet)):
+        for key, label, build in (("vit", "ViT (digits)", vit), ("convnet", "ConvNet (digits)", ConvNet)):
             if wanted is None or key in wanted:
                 rows.append(
                     _classification_task(

@@ -11,94 +11,45 @@ import pytest
 import torch
 
 import slimopt
+from benchmarks import architectures
 from slimopt.projection import Basis
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
+
+
+# The benchmark's models (benchmarks.architectures), one layer where a test names layer 0's weights.
 
 
 def gpt2() -> torch.nn.Module:
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32)
-    config.bos_token_id = config.eos_token_id = 0
-    return transformers.GPT2LMHeadModel(config)
-
-
-# A one-layer decoder with grouped-query attention, small enough to build in milliseconds.
-SMALL_DECODER = {
-    "num_hidden_layers": 1,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-}
+    return architectures.decoder("gpt2")
 
 
 def mixtral() -> torch.nn.Module:
-    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**SMALL_DECODER, num_local_experts=4))
+    return architectures.decoder("mixtral", layers=1)
 
 
 def qwen2_tied() -> torch.nn.Module:
-    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL_DECODER, tie_word_embeddings=True))
+    return architectures.decoder("qwen2", layers=1)
 
 
 def gpt_neox() -> torch.nn.Module:
-    config = transformers.GPTNeoXConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4
-    )
-    return transformers.GPTNeoXForCausalLM(config)
+    return architectures.decoder("gpt_neox", layers=1)
 
 
 def opt() -> torch.nn.Module:
-    config = transformers.OPTConfig(
-        vocab_size=128,
-        hidden_size=64,
-        ffn_dim=256,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        word_embed_proj_dim=64,
-    )
-    return transformers.OPTForCausalLM(config)
+    return architectures.decoder("opt", layers=1)
 
 
 def bert() -> torch.nn.Module:
-    config = transformers.BertConfig(
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        intermediate_size=256,
-        num_labels=3,
-    )
-    return transformers.BertForSequenceClassification(config)
+    return architectures.bert(layers=1)
 
 
 def t5() -> torch.nn.Module:
-    config = transformers.T5Config(
-        vocab_size=128,
-        d_model=64,
-        d_ff=128,
-        d_kv=16,
-        num_layers=1,
-        num_decoder_layers=1,
-        num_heads=4,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-    )
-    return transformers.T5ForConditionalGeneration(config)
+    return architectures.t5(layers=1)
 
 
 def vit() -> torch.nn.Module:
-    config = transformers.ViTConfig(
-        image_size=8,
-        patch_size=2,
-        num_channels=1,
-        hidden_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        intermediate_size=128,
-        num_labels=10,
-    )
-    return transformers.ViTForImageClassification(config)
+    return architectures.vit(layers=1)
 
 
 # What the default selection projects in each family (one layer each): every linear layer but
@@ -380,7 +331,7 @@ def test_describe_names_every_parameter_and_its_basis() -> None:
     before = slimopt.describe(optimizer, model)
     assert "projected: 8 tensors" in before and "rank 8" in before and "states int8" in before
     assert "transformer.h.0.mlp.c_fc.weight  64×256  basis left 64×8" in before
-    assert "transformer.wte.weight  128×64  unprojected" in before
+    assert "transformer.wte.weight  256×64  unprojected" in before
     assert "state 0 bytes" in before
     tokens = torch.randint(0, 128, (2, 16))
     model(tokens, labels=tokens).loss.backward()

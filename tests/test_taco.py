@@ -319,3 +319,26 @@ def test_a_small_fine_tune_converges_within_the_bound_of_the_oracle(shakespeare_
     frozen, sketch, oracle = fine_tuned(0.0), fine_tuned(3e-3, k=16), fine_tuned(3e-3, history="dense")
     assert abs(sketch - oracle) <= ORACLE_BOUND * oracle, (sketch, oracle)
     assert max(sketch, oracle) <= (1 - GAIN_OVER_FROZEN) * frozen, (sketch, oracle, frozen)
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+
+def test_the_taco_benchmark_measures_every_variant(tmp_path) -> None:
+    """``python -m benchmarks.taco --tiny`` on the pretraining row: every variant trains, TACO's
+    measured state per column is the sketch's documented size, layer-wise peaks are measured."""
+    from benchmarks import taco as benchmark
+
+    results = benchmark.main(["--tiny", "--tasks", "llama", "--out", str(tmp_path)])
+    (row,) = results["rows"]
+    expected = [v.name for v in benchmark.variants() if not v.lora] + list(
+        benchmark.FALLBACK_VARIANTS.values()
+    )
+    assert list(row["variants"]) == expected
+    for k in (0, 4, 16, 32):
+        entry = row["variants"][f"TACO k={k}"]
+        assert entry["bytes_per_column"] == (taco.sketch_nbytes_per_column(64, k) if k else 0)
+        assert entry["layerwise_peak_bytes"] > entry["state_bytes"] > 0
+    assert row["variants"]["TACO dense oracle"]["bytes_per_column"] > 4 * 64
+    assert all(entry["metric"] == entry["metric"] for entry in row["variants"].values())
+    assert (tmp_path / "results.md").read_text().count("| TACO k=") == 6
