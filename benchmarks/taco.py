@@ -15,9 +15,10 @@ Tasks (``--tasks``; the first two are fine-tuning, where the paper makes its cla
 Every variant sweeps its learning rates (``SWEEPS``) and reports the best. TACO's matrices are the
 attention and MLP projections; the embedding, head and vectors take the fallback (AdamW with
 int8 moments at AdamW's best learning rate of the task, ``FALLBACK_LR``), and the fallback rows
-try it with fp32 and ternary moments at TACO's best learning rate.
+try it with fp32 and ternary moments at TACO's best learning rate. "matrices frozen" is TACO at
+learning rate 0: only the fallback trains, so the gap to it is what TACO's updates add.
 
-    python -m benchmarks.taco [--out runs/taco] [--tasks full,genre,llama] [--steps 400]
+    python -m benchmarks.taco [--out runs/taco] [--tasks full,genre,llama] [--variants ...] [--steps 400]
     python -m benchmarks.taco --plan      # the planner's OPT-13B / LLaMA-7B lines only
 
 writes ``results.json`` and ``results.md`` to ``--out`` and prints the table; ``--tiny`` is a
@@ -70,6 +71,8 @@ def variants() -> list[Variant]:
         Variant("LoRA (AdamW)", "adamw", ADAMW_LRS, lora=True),
         *taco,
         Variant("TACO dense oracle", "taco", TACO_LRS, {"history": "dense"}),
+        # What TACO's matrix updates add: the same run with them at learning rate 0.
+        Variant("matrices frozen (fallback only)", "taco", (0.0,)),
     ]
 
 
@@ -184,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for key, (task, lora_task) in _tasks(args.tasks, out, args).items():
         row: dict[str, Any] = {"task": task.name, "key": key, "metric": task.metric, "variants": {}}
         for variant in variants():
-            if variant.lora and lora_task is None:
+            if (variant.lora and lora_task is None) or variant.name not in args.variants:
                 continue
             options = _options(variant, key)
             entry = _sweep(lora_task if variant.lora else task, variant, options, args)
@@ -195,8 +198,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if variant.optimizer == "taco":
                 entry["bytes_per_column"] = taco_bytes_per_column(task, variant, options)
             row["variants"][variant.name] = entry
-        best_taco = row["variants"]["TACO k=16"]["best_lr"]
-        for states, name in FALLBACK_VARIANTS.items():
+        best_taco = row["variants"].get("TACO k=16", {}).get("best_lr")
+        for states, name in FALLBACK_VARIANTS.items() if best_taco is not None else ():
             variant = Variant(name, "taco", (best_taco,), {"k": 16, "fallback_states": states})
             row["variants"][name] = _sweep(task, variant, _options(variant, key), args)
         results["rows"].append(row)
@@ -210,7 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def render(results: dict[str, Any]) -> str:
     lines = []
     for row in results["rows"]:
-        reference = row["variants"]["AdamW"]["metric"]
+        reference = row["variants"].get("AdamW", {}).get("metric")
         unit = "val loss" if row["metric"] == "loss" else "accuracy"
         lines += [
             f"**{row['task']}** ({unit}; against AdamW: relative for a loss, points for accuracy)",
@@ -220,8 +223,11 @@ def render(results: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, entry in row["variants"].items():
-            worse = relative(row["metric"], entry["metric"], reference)
-            change = f"{worse * 100:+.1f}%" if row["metric"] == "loss" else f"{-worse * 100:+.1f} pts"
+            change = "—"
+            if reference is not None:
+                worse = relative(row["metric"], entry["metric"], reference)
+                points = -worse * 100 + 0.0  # + 0.0: no "-0.0"
+                change = f"{worse * 100:+.1f}%" if row["metric"] == "loss" else f"{points:+.1f} pts"
             layerwise = entry.get("layerwise_peak_bytes")
             column = entry.get("bytes_per_column")
             sweep = ", ".join(f"{float(lr):g}: {m:.3f}" for lr, m in entry["sweep"].items())
@@ -236,38 +242,45 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# The planned configurations: optimizer, options, layer-wise.
+PLANNED = (
+    ("taco", {}, True),
+    ("taco", {}, False),
+    ("taco", {"fallback_states": "ternary"}, True),
+    ("adamw8bit", {}, True),
+)
+
+
 def plan_lines(batch_size: int = 1, seq_len: int = 256) -> list[str]:
-    """The planner's peak and state for TACO with layer-wise updates (int8 and ternary fallback)
-    beside AdamW8bit layer-wise, bf16 weights, ``batch_size``×``seq_len`` tokens."""
+    """The planner's peak and its terms for TACO (int8 fallback with and without layer-wise
+    updates, ternary fallback) beside AdamW8bit layer-wise, bf16 weights, ``batch_size``×
+    ``seq_len`` tokens."""
     from slimopt.planner import plan_memory
 
     lines = [
-        "| model | optimizer | peak GiB | weights GiB | states GiB (between steps) | activations GiB "
-        "| workspace GiB |",
-        "|---|---|---|---|---|---|---|",
+        "| model | optimizer | peak GiB | weights | gradients | states (between steps) | activations "
+        "| workspace |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, model in PLANNED_MODELS.items():
         vocab = 50272 if label.startswith("OPT") else 32000
-        for optimizer, options in (
-            ("taco", {}),
-            ("taco", {"fallback_states": "ternary"}),
-            ("adamw8bit", {}),
-        ):
+        for optimizer, options, layer_wise in PLANNED:
             plan = plan_memory(
                 model,
                 optimizer,
-                layerwise=True,
+                layerwise=layer_wise,
                 batch_size=batch_size,
                 seq_len=seq_len,
                 vocab_size=vocab,
                 **options,
             )
-            at = plan.at_peak
-            name = optimizer + "".join(f", {k}={v}" for k, v in options.items()) + ", layer-wise"
+            at = {term: value / 2**30 for term, value in plan.at_peak.items()}
+            name = optimizer + "".join(f", {k}={v}" for k, v in options.items())
+            name += ", layer-wise" if layer_wise else ""
             lines.append(
-                f"| {label} | {name} | {plan.peak_bytes / 2**30:.2f} | {at['weights'] / 2**30:.2f} | "
-                f"{plan.persistent['optimizer_states'] / 2**30:.3f} | {at['activations'] / 2**30:.2f} | "
-                f"{at['workspace'] / 2**30:.2f} |"
+                f"| {label} | {name} | {plan.peak_bytes / 2**30:.2f} | {at['weights']:.2f} | "
+                f"{at['gradients']:.2f} | {plan.persistent['optimizer_states'] / 2**30:.3f} | "
+                f"{at['activations']:.2f} | {at['workspace']:.2f} |"
             )
     return lines
 
@@ -276,6 +289,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/taco")
     parser.add_argument("--tasks", type=lambda s: s.split(","), default=list(TASKS))
+    parser.add_argument(
+        "--variants",
+        type=lambda s: s.split(","),
+        default=[v.name for v in variants()],
+        help="comma-separated variant names (default: all; without AdamW no 'vs AdamW' column)",
+    )
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--sweep", type=int, default=3, help="how many of each variant's learning rates")
@@ -286,6 +305,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = sorted(set(args.tasks) - set(TASKS))
     if unknown:
         parser.error(f"unknown task(s) {', '.join(unknown)}; valid: {', '.join(TASKS)}")
+    names = [v.name for v in variants()]
+    unknown = sorted(set(args.variants) - set(names))
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; valid: {', '.join(names)}")
     args.genre_vocab_size, args.genre_seq_len, args.genre_pretrain_steps = 4096, 128, 600
     args.genre_max_documents = args.genre_max_per_play = None
     if args.plan:
