@@ -59,6 +59,14 @@ def fused_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.fixture
+def decisions_on_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused path leaves its non-finite decisions on the device on the CPU too, as on CUDA."""
+    from slimopt import finite
+
+    monkeypatch.setattr(finite, "DECIDED_ON_DEVICE", ("cuda", "cpu"))
+
+
+@pytest.fixture
 def private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tokenizers cached under this test session's temporary directory, not the user's cache."""
     monkeypatch.setenv("SLIMOPT_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))

@@ -13,6 +13,8 @@ from torch.profiler import profile
 import slimopt
 from slimopt.finite import Decisions, finite_flags, read
 
+pytestmark = pytest.mark.usefixtures("decisions_on_device")
+
 
 def _nonfinite_run(name: str, fused: bool, dtype: torch.dtype, **options):
     """Five steps of a small model; step 2 gives one matrix a NaN and the bias an inf gradient,
@@ -116,3 +118,26 @@ def test_flags_are_exact_where_a_norm_would_overflow() -> None:
     flags = finite_flags(entries, lambda param: None)
     assert read(flags) == [True, False, False, True, True]
     assert flags[3] is None
+
+
+def test_on_the_cpu_the_fused_path_reads_its_decision_before_the_step(monkeypatch) -> None:
+    """Without the tests' override the CPU reads its flags at once (masking the writes would cost
+    more than reading): a NaN step is skipped and warned about inside that ``step()``, and the
+    fused step itself runs without a mask."""
+    from slimopt import finite, kernels
+
+    monkeypatch.setattr(finite, "DECIDED_ON_DEVICE", ("cuda",))
+    masks = []
+    fused_step = kernels.adamw_step
+    monkeypatch.setattr(kernels, "adamw_step", lambda *args: masks.append(args[-1]) or fused_step(*args))
+    weight = torch.nn.Parameter(torch.randn(96, 80))
+    optimizer = slimopt.AdamW8bit([weight], lr=1e-2, fused=True)
+    for _ in range(2):
+        weight.grad = torch.randn(96, 80)
+        optimizer.step()
+    before = weight.detach().clone()
+    weight.grad = torch.full((96, 80), float("nan"))
+    with pytest.warns(RuntimeWarning, match="at step 2: non-finite gradient; update skipped"):
+        optimizer.step()
+    assert torch.equal(weight, before) and optimizer.state[weight]["step"] == 2
+    assert masks == [None, None] and optimizer.fused_path == ["fused"]

@@ -30,6 +30,8 @@ from torch.profiler import profile
 
 import slimopt
 
+pytestmark = pytest.mark.usefixtures("decisions_on_device")
+
 # Operations that only describe tensors (views; dtype or device conversions that are no-ops for
 # fp32 CPU tensors), read a vote back to the host, allocate the step's scalars or look up a
 # compiled region: none makes a pass over tensor data.

@@ -38,7 +38,7 @@ from slimopt.distributed import (
     row_sharding,
     split_by_rows,
 )
-from slimopt.finite import Decisions, all_finite, finite_flags
+from slimopt.finite import Decisions, all_finite, decided_on_device, finite_flags
 from slimopt.finite import read as finite_read
 from slimopt.projection import (
     PROJ_METHODS,
@@ -346,8 +346,13 @@ class GaLoreOptimizer(Optimizer):
 
     def _decides_on_device(self, param: Tensor, group: dict[str, Any]) -> bool:
         """Whether a step of ``param`` takes its non-finite decision on the device: on the fused
-        path, once its state exists (a first step creates the state on the host)."""
-        return self._fused(param, group) and "moment_step" in self.state_of(param)
+        path on a device of ``finite.DECIDED_ON_DEVICE``, once its state exists (a first step
+        creates the state on the host)."""
+        return (
+            decided_on_device(param.device)
+            and self._fused(param, group)
+            and "moment_step" in self.state_of(param)
+        )
 
     def _sharding_group(self, param: Tensor) -> Any:
         sharding = self._sharding(param)
