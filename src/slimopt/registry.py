@@ -404,4 +404,5 @@ def _build_taco(
             "weight_decay": 0.0,
         },
     ]
-    return TACO([g for g in groups if g["params"]], lr=1e-4 if lr is None else lr, **options)
+    rate = {} if lr is None else {"lr": lr}  # None: TACO's default
+    return TACO([g for g in groups if g["params"]], **rate, **options)
