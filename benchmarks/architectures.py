@@ -486,10 +486,33 @@ def learning_rates(optimizer_name: str) -> list[float]:
     return list(LEARNING_RATES)
 
 
-def better(metric: str, a: float, b: float) -> bool:
+def _better(metric: str, a: float, b: float) -> bool:
     if b != b:  # NaN: anything beats it
         return True
     return a < b if metric == "loss" else a > b
+
+
+def sweep(
+    task: Task,
+    optimizer_name: str,
+    lrs: tuple[float, ...] | list[float],
+    steps: int,
+    batch_size: int,
+    options: dict[str, Any] | None = None,
+    label: str | None = None,
+) -> dict[str, Any]:
+    """``train_once`` at every learning rate of ``lrs``: the best run, its rate (``best_lr``) and
+    every rate's metric (``sweep``). ``label`` names the run in the progress lines."""
+    runs = {}
+    for lr in lrs:
+        runs[lr] = train_once(task, optimizer_name, lr, steps, batch_size, options)
+        name, metric = label or optimizer_name, runs[lr]["metric"]
+        print(f"{task.name:34s} {name:30s} lr {lr:<7g} {task.metric} {metric:.4f}", flush=True)
+    best = None
+    for lr, outcome in runs.items():
+        if best is None or _better(task.metric, outcome["metric"], runs[best]["metric"]):
+            best = lr
+    return {"best_lr": best, **runs[best], "sweep": {str(k): v["metric"] for k, v in runs.items()}}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -499,22 +522,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for task in tasks(args.rows, out, args.pretrain_steps):
         row: dict[str, Any] = {"task": task.name, "metric": task.metric, "optimizers": {}}
         for name in [n for n in args.optimizers if n in task.optimizers]:
-            sweep = {}
-            for lr in learning_rates(name)[: args.sweep]:
-                sweep[lr] = train_once(task, name, lr, args.steps, args.batch_size)
-                print(
-                    f"{task.name:26s} {name:22s} lr {lr:<7g} {task.metric} {sweep[lr]['metric']:.4f}",
-                    flush=True,
-                )
-            best = None
-            for lr, outcome in sweep.items():
-                if best is None or better(task.metric, outcome["metric"], sweep[best]["metric"]):
-                    best = lr
-            row["optimizers"][name] = {
-                "best_lr": best,
-                **sweep[best],
-                "sweep": {str(k): v["metric"] for k, v in sweep.items()},
-            }
+            lrs = learning_rates(name)[: args.sweep]
+            row["optimizers"][name] = sweep(task, name, lrs, args.steps, args.batch_size)
         results["rows"].append(row)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     table = render(results)

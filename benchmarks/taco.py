@@ -37,7 +37,7 @@ import torch
 
 import slimopt
 from benchmarks import finetune_genre
-from benchmarks.architectures import Task, better, relative, tasks, train_once
+from benchmarks.architectures import Task, relative, sweep, tasks
 from slimopt.memory import LiveBytes, state_tensors
 from slimopt.rules import TACORule
 
@@ -131,15 +131,8 @@ def _options(variant: Variant, task_key: str) -> dict[str, Any]:
 
 
 def _sweep(task: Task, variant: Variant, options: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    sweep = {}
-    for lr in variant.lrs[: args.sweep]:
-        sweep[lr] = train_once(task, variant.optimizer, lr, args.steps, args.batch_size, options)
-        print(f"{task.name:34s} {variant.name:30s} lr {lr:<7g} {sweep[lr]['metric']:.4f}", flush=True)
-    best = None
-    for lr, outcome in sweep.items():
-        if best is None or better(task.metric, outcome["metric"], sweep[best]["metric"]):
-            best = lr
-    return {"best_lr": best, **sweep[best], "sweep": {str(k): v["metric"] for k, v in sweep.items()}}
+    lrs = variant.lrs[: args.sweep]
+    return sweep(task, variant.optimizer, lrs, args.steps, args.batch_size, options, variant.name)
 
 
 def taco_bytes_per_column(task: Task, variant: Variant, options: dict[str, Any]) -> float:
@@ -190,8 +183,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if (variant.lora and lora_task is None) or variant.name not in args.variants:
                 continue
             options = _options(variant, key)
-            entry = _sweep(lora_task if variant.lora else task, variant, options, args)
             chosen = lora_task if variant.lora else task
+            entry = _sweep(chosen, variant, options, args)
             entry["layerwise_peak_bytes"] = layerwise_peak(
                 chosen, variant, options, entry["best_lr"], args.batch_size
             )
