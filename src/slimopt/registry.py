@@ -315,17 +315,7 @@ def build_optimizer(
     transposed_ids: set[int] = set()
     expert_ids: set[int] = set()
     if spec.projected:
-        modules = dict(model.named_modules())
-        for module_name in select_target_modules(model, target_modules):
-            module = modules[module_name]
-            stacked = expert_weights(module)
-            for weight in stacked.values() if stacked else [module.weight]:
-                if weight.requires_grad:
-                    projected_ids.add(id(weight))
-                    if stacked:
-                        expert_ids.add(id(weight))
-                    elif is_transposed_linear(module):
-                        transposed_ids.add(id(weight))
+        projected_ids, transposed_ids, expert_ids = _target_weight_ids(model, target_modules)
         _warn_unknown_layouts(model, params)
     projected = [p for i, p in params.items() if i in projected_ids]
     # Each expert is a matrix of its own: the rank and the savings are the experts'.
@@ -358,6 +348,28 @@ def build_optimizer(
     return spec.cls([g for g in groups if g["params"]], lr=lr, **options)
 
 
+def _target_weight_ids(
+    model: nn.Module, target_modules: str | list[str] | None
+) -> tuple[set[int], set[int], set[int]]:
+    """The ids of the trainable weights ``select_target_modules`` selects, and of those among
+    them in ``Conv1D``'s in × out layout and of stacked experts."""
+    modules = dict(model.named_modules())
+    selected: set[int] = set()
+    transposed: set[int] = set()
+    experts: set[int] = set()
+    for module_name in select_target_modules(model, target_modules):
+        module = modules[module_name]
+        stacked = expert_weights(module)
+        for weight in stacked.values() if stacked else [module.weight]:
+            if weight.requires_grad:
+                selected.add(id(weight))
+                if stacked:
+                    experts.add(id(weight))
+                elif is_transposed_linear(module):
+                    transposed.add(id(weight))
+    return selected, transposed, experts
+
+
 def _build_taco(
     model: nn.Module,
     *,
@@ -381,14 +393,10 @@ def _build_taco(
             raise ValueError(f"fallback_lr must be a number >= 0, got {fallback_lr!r}")
         fallback["lr"] = float(fallback_lr)
     params = {id(p): p for p in model.parameters() if p.requires_grad}
-    modules = dict(model.named_modules())
-    linear, transposed = [], []
-    for module_name in select_target_modules(model, target_modules):
-        module = modules[module_name]
-        if expert_weights(module) or not module.weight.requires_grad:
-            continue  # stacked experts take the fallback
-        (transposed if is_transposed_linear(module) else linear).append(module.weight)
-    chosen = {id(p) for p in linear + transposed}
+    targets, transposed_ids, expert_ids = _target_weight_ids(model, target_modules)
+    chosen = targets - expert_ids  # stacked experts take the fallback
+    linear = [p for i, p in params.items() if i in chosen and i not in transposed_ids]
+    transposed = [p for i, p in params.items() if i in transposed_ids]
     groups = [
         {"name": "taco", "params": linear},
         {"name": "taco_transposed", "params": transposed, "transposed": True},
