@@ -1,6 +1,7 @@
 """Bytes of optimizer state per parameter and optimizer-step time for every storage format,
-side by side with bitsandbytes AdamW8bit and torchao AdamW8bit / AdamW4bit, in one run; slimopt's
-formats with a fused step (``slimopt.kernels``) run both ways, ``fused=False`` and ``True``.
+side by side with bitsandbytes AdamW8bit, torchao AdamW8bit / AdamW4bit and torch's Adafactor,
+in one run; slimopt's formats with a fused step (``slimopt.kernels``) run both ways,
+``fused=False`` and ``True``.
 
 Parameters are the projected matrices plus embedding, head and norms of a LLaMA preset with
 random gradients; times are medians after warm-up steps (torchao compiles on its first step).
@@ -44,6 +45,9 @@ def candidates(rank: int) -> dict[str, Callable[[torch.nn.Module], torch.optim.O
         "bitsandbytes AdamW8bit": lambda m: bnb.optim.AdamW8bit(m.parameters(), lr=1e-3),
         "torchao AdamW8bit": lambda m: AdamW8bit(m.parameters(), lr=1e-3),
         "torchao AdamW4bit": lambda m: AdamW4bit(m.parameters(), lr=1e-3),
+        "torch.optim.Adafactor(foreach=True)": lambda m: torch.optim.Adafactor(
+            m.parameters(), lr=1e-3, foreach=True
+        ),
         **{
             f"slimopt {name}{' ' + label if label else ''} (fused={fused})": (
                 lambda m, name=name, options=options, fused=fused: build_optimizer(
@@ -57,6 +61,8 @@ def candidates(rank: int) -> dict[str, Callable[[torch.nn.Module], torch.optim.O
                 ("galore_adamw8bit", f"r{rank}", {"rank": rank, "update_proj_gap": 10**9}),
                 ("adamw_ternary", "", {}),
                 ("galore_adamw_ternary", f"r{rank}", {"rank": rank, "update_proj_gap": 10**9}),
+                ("adafactor", "", {}),
+                ("adafactor", "int8 beta1=0.9", {"states": "int8", "beta1": 0.9}),
             )
             for fused in (False, True)
         },

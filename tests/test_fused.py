@@ -22,7 +22,8 @@ from .conftest import tiny_llama
 def _run(name: str, fused: bool, dtype: torch.dtype = torch.float32, steps: int = 4, **options):
     torch.manual_seed(0)
     model = tiny_llama().to(dtype)
-    optimizer = slimopt.build_optimizer(model, name, lr=1e-2, fused=fused, **options)
+    options = {"lr": 1e-2, **options}
+    optimizer = slimopt.build_optimizer(model, name, fused=fused, **options)
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
         for param in model.parameters():
@@ -47,6 +48,14 @@ def _distance(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
         ("galore_adamw_ternary", {"rank": 8}),
         ("adamw", {"states": "bf16"}),
         ("adamw8bit", {"param_rounding": "stochastic"}),
+        # Adafactor: relative step and weights' RMS (a step size on the device), factored raw
+        # statistics; momentum with every stored format; a projected whole second moment.
+        ("adafactor", {"lr": None}),
+        ("adafactor", {"states": "int8", "beta1": 0.9, "weight_decay": 0.1}),
+        ("adafactor", {"states": "int4", "beta1": 0.9, "scale_parameter": False}),
+        ("adafactor", {"states": "ternary", "beta1": 0.9}),
+        ("galore_adafactor", {"rank": 8, "states": "int8"}),
+        ("galore_adafactor", {"rank": 8, "states": "ternary", "beta1": 0.9, "lr": None}),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -199,8 +208,8 @@ def test_auto_fuses_on_cuda_only_and_says_why() -> None:
     model = tiny_llama()
     optimizer = slimopt.build_optimizer(model, "adamw8bit", lr=1e-3)
     assert optimizer.fused_path[0] == "reference (auto fuses on CUDA, parameters on cpu)"
-    adafactor = slimopt.build_optimizer(model, "adafactor", lr=1e-3)
-    assert "the Adafactor rule has no fused step" in adafactor.fused_path[0]
+    taco = slimopt.build_optimizer(model, "taco", lr=None)
+    assert "the TACO rule has no fused step (AdamW and Adafactor only)" in taco.fused_path[0]
     off = slimopt.build_optimizer(model, "adamw", lr=1e-3, fused=False)
     assert off.fused_path[0] == "reference (fused=False)"
 
@@ -215,8 +224,12 @@ def test_auto_fuses_on_cuda_only_and_says_why() -> None:
             "ternary states of tensors with more than 2 dimensions have no fused step",
         ),
         (
-            lambda m: slimopt.build_optimizer(m, "adafactor", lr=1e-3, fused=True),
-            "the Adafactor rule has no fused step",
+            lambda m: slimopt.build_optimizer(m, "taco", lr=None, fused=True),
+            "the TACO rule has no fused step",
+        ),
+        (
+            lambda m: slimopt.GaLoreAdafactor([torch.nn.Parameter(torch.randn(64, 32, 3, 3))], fused=True),
+            "Adafactor's factored statistics of tensors with more than 2 dimensions have no fused step",
         ),
         (
             lambda m: slimopt.build_optimizer(m, "adamw", lr=1e-3, fused="yes"),

@@ -4,6 +4,11 @@
 - Per unprojected tensor: 1, the fused step (one compiled region: decode, update, encode, write).
 - Per projected matrix: 5, the projection (matmul), the fused step in r×n, the weights' decay
   (where, then mul_) and the back-projection (one addmm_).
+- Adafactor: as AdamW per unprojected tensor (its reductions, the factored statistics, the RMS
+  clipping and the weights' RMS of ``scale_parameter``, are loops of the one compiled region).
+  Per projected matrix 10: its step size is then a tensor on the device (the weights' RMS:
+  norm, divide, clamp, multiply), which ``addmm_`` cannot take as a factor, so the direction is
+  projected back by a matmul, scaled (2) and subtracted.
 - Per tensor with stochastically rounded moments, one seed draw (randint) per such moment (bf16:
   2, ternary: 1); a ternary moment is encoded in three more compiled regions (row and column
   scales, block exponents, digits: ``slimopt.kernels.formats``), each a pass that Inductor
@@ -50,6 +55,7 @@ METADATA = {
     "TorchDynamo Cache Lookup",
 }
 PER_TENSOR = {"unprojected": 1, "projected": 5}
+PER_ADAFACTOR_TENSOR = {"unprojected": 1, "projected": 10}
 VOTES = {"unprojected": 1, "projected": 2}
 # Per tensor, by storage format: seed draws and compiled regions beyond the fused step's one.
 SEEDS = {"fp32": 0, "int8": 0, "int4": 0, "bf16": 2, "ternary": 1}
@@ -61,8 +67,11 @@ COMBINE = 3  # the projected matrices' two votes: both stacked, and-ed
 COUNT = 6
 
 
-def _operations_per_step(groups: list[dict], states: str) -> Counter:
-    optimizer = slimopt.GaLoreAdamW(groups, lr=1e-3, states=states, fused=True)
+def _operations_per_step(groups: list[dict], states: str, rule: str = "adamw") -> Counter:
+    if rule == "adamw":
+        optimizer = slimopt.GaLoreAdamW(groups, lr=1e-3, states=states, fused=True)
+    else:  # relative step, the weights' RMS, momentum
+        optimizer = slimopt.GaLoreAdafactor(groups, beta1=0.9, states=states, fused=True)
     generator = torch.Generator().manual_seed(0)
     for group in groups:
         for param in group["params"]:
@@ -79,15 +88,20 @@ def _operations_per_step(groups: list[dict], states: str) -> Counter:
     return Counter(e.name for e in top if e.name not in METADATA)
 
 
-@pytest.mark.parametrize("states", ["fp32", "int8", "int4", "bf16", "ternary"])
+@pytest.mark.parametrize(
+    ("rule", "states"),
+    [("adamw", states) for states in ("fp32", "int8", "int4", "bf16", "ternary")]
+    + [("adafactor", "fp32"), ("adafactor", "int8"), ("adafactor", "ternary")],
+)
 @pytest.mark.parametrize("kinds", [("unprojected",), ("unprojected", "projected")], ids=["plain", "mixed"])
-def test_fused_step_stays_within_its_launch_budget(kinds, states) -> None:
+def test_fused_step_stays_within_its_launch_budget(kinds, rule, states) -> None:
     groups = []
     for kind in kinds:
         params = [torch.nn.Parameter(torch.randn(512, 256)) for _ in range(COUNT)]
         groups.append({"params": params} if kind == "unprojected" else {"params": params, "rank": 32})
-    counted = _operations_per_step(groups, states)
-    per_tensor = {kind: PER_TENSOR[kind] + VOTES[kind] + SEEDS[states] + PHASES[states] for kind in kinds}
+    counted = _operations_per_step(groups, states, rule)
+    fused = PER_TENSOR if rule == "adamw" else PER_ADAFACTOR_TENSOR
+    per_tensor = {kind: fused[kind] + VOTES[kind] + SEEDS[states] + PHASES[states] for kind in kinds}
     budget = sum(COUNT * per_tensor[kind] for kind in kinds) + PER_VOTE * len(kinds) + PER_STEP
     budget += COMBINE * ("projected" in kinds)
     assert sum(counted.values()) <= budget, dict(counted)

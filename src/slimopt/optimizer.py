@@ -325,8 +325,9 @@ class GaLoreOptimizer(Optimizer):
         decisions = [entry[4] for entry in ready]
         for i, second in zip(projected, _both(decisions, projected, again), strict=True):
             decisions[i] = second
-        for (param, group, grad, basis, _), finite in zip(ready, decisions, strict=True):
-            self.apply_update(param, group, grad, basis, finite=finite)
+        with kernels.compile_settings():
+            for (param, group, grad, basis, _), finite in zip(ready, decisions, strict=True):
+                self.apply_update(param, group, grad, basis, finite=finite)
         self._decisions.close_step()
         if self._decisions.on_host():
             self._settle_skips()
@@ -619,17 +620,18 @@ class GaLoreOptimizer(Optimizer):
         """``apply_update``'s work through the fused step, masked by the device flag ``keep``
         when there is one; False (nothing changed) when auto mode could not compile it, so the
         reference path takes over."""
+        step = state["step"]
         with _matrix_of(param) as weights:
-            lr = self.rule_of(group).step_size(group, weights, state["step"])
-            codecs = self._moment_codecs(group, layout)
-            stored = {key: _stored_parts(state, key, codec.parts) for key, codec in codecs.items()}
+            moments = self._stored_moments(state, group, layout, grad.device)
+            factored = _raw_factored(state)
             matrix = _as_matrix(grad)
             if basis is None:  # moments and weights in one fused step
-                done = self._fused_step(group, matrix, codecs, stored, age, lr, weights, generator, keep)
+                done = self._fused_step(group, matrix, moments, factored, age, step, weights, generator, keep)
                 return done is not NOT_COMPILED
-            direction = self._fused_step(group, matrix, codecs, stored, age, lr, None, generator, keep)
+            direction = self._fused_step(group, matrix, moments, factored, age, step, None, generator, keep)
             if direction is NOT_COMPILED:
                 return False
+            lr = self.rule_of(group).step_size(group, weights, step)
             rounding = generator if _rounds_stochastically(param, group) else None
             decay = group["weight_decay"]
             for _, rows in slices_to_update(*weights.shape, meta=False):
@@ -645,39 +647,41 @@ class GaLoreOptimizer(Optimizer):
             for key, kind in self.rule_of(group).moment_kinds.items()
         }
 
+    def _stored_moments(
+        self, state: dict[str, Any], group: dict[str, Any], layout: torch.Size, device: torch.device
+    ) -> dict[str, tuple[dict[str, Tensor], kernels.Storage, tuple[Tensor, ...]]]:
+        """Each moment of the rule that ``state`` holds, in the rule's order, as the fused step
+        takes it: its stored parts, their ``Storage`` and its lookup tables (blocks only)."""
+        return {
+            key: _fused_moment(codec, _stored_parts(state, key, codec.parts), device)
+            for key, codec in self._moment_codecs(group, layout).items()
+            if state_key(key, codec.parts[0]) in state
+        }
+
     def _fused_step(
         self,
         group: dict[str, Any],
         grad: Tensor,
-        codecs: dict[str, Any],
-        stored: dict[str, dict[str, Tensor]],
+        moments: dict[str, tuple[dict[str, Tensor], kernels.Storage, tuple[Tensor, ...]]],
+        factored: tuple[Tensor, Tensor] | None,
         age: int,
-        lr: float,
+        step: int,
         weights: Tensor | None,
         generator: torch.Generator | None,
         keep: Tensor | None = None,
     ) -> Tensor | None:
-        """The rule's step through ``slimopt.kernels`` on the matrix ``grad``: moments stored by
-        ``codecs`` in ``stored`` (updated in place) and ``weights`` (a contiguous matrix, updated
-        in place), or, without them, the direction returned. Stochastic roundings draw from
-        ``generator`` in the reference path's order: the moments', then the weights'."""
+        """The rule's step through ``slimopt.kernels`` on the matrix ``grad``: ``moments``
+        (``_stored_moments``, updated in place), Adafactor's raw ``factored`` statistics and
+        ``weights`` (a contiguous matrix, updated in place, by the step size of the parameter's
+        step ``step``), or, without weights, the direction returned. Stochastic roundings draw
+        from ``generator`` in the reference path's order: the moments', then the weights'."""
         device = grad.device
-        keys = list(self.rule_of(group).moment_kinds)
-        storages = tuple(kernels.storage_of(codecs[key]) for key in keys)
-        tables = tuple(
-            codecs[key].tables(device) if storage.kind == "blockwise" else ()
-            for key, storage in zip(keys, storages, strict=True)
-        )
-        scale = 1.0 if weights is not None else group["scale"]
-        hyper = kernels.hyperparameters(
-            lr, group["betas"], group["eps"], group["weight_decay"], age, scale, device
-        )
-        draws = sum(storage.stochastic for storage in storages)
+        draws = sum(storage.stochastic for _, storage, _ in moments.values())
         draws += weights is not None and _rounds_stochastically(weights, group)
         seeds = tuple(stream_seed(generator, device) for _ in range(draws))
-        parts = tuple(stored[key] for key in keys)
+        rule, grad = self.rule_of(group), grad.contiguous()
         try:
-            return kernels.adamw_step(grad.contiguous(), parts, storages, tables, hyper, weights, seeds, keep)
+            return kernels.fused_step(rule, group, grad, moments, factored, age, step, weights, seeds, keep)
         except kernels.compile_failures() as error:
             if group["fused"] is True:
                 raise
@@ -723,14 +727,16 @@ class GaLoreOptimizer(Optimizer):
         age = self._advance(state)
         lr = self.rule_of(group).step_size(group, weights, state["step"])
         rounding = generator if _rounds_stochastically(param, group) else None
-        fused = not first and self._fused(param, group)
+        fused, device = not first and self._fused(param, group), grad.device
         for index, rows in slices_to_update(*weights.shape, meta=weights.is_meta):
             slice_grad = grad[rows].float()
             if fused:
-                codecs = {key: storage.codecs[index][0] for key, storage in storages.items()}
-                parts = {key: storage.parts(stored[key], index) for key, storage in storages.items()}
+                moments = {
+                    key: _fused_moment(storage.codecs[index][0], storage.parts(stored[key], index), device)
+                    for key, storage in storages.items()
+                }
                 done = self._fused_step(
-                    group, slice_grad, codecs, parts, age, lr, weights[rows], generator, keep
+                    group, slice_grad, moments, None, age, state["step"], weights[rows], generator, keep
                 )
                 if done is not NOT_COMPILED:
                     continue
@@ -1183,6 +1189,23 @@ def _update_weights_projected(
     if target is part:
         return
     part.copy_(target if generator is None else round_to_bf16_stochastically(target, generator))
+
+
+def _fused_moment(
+    codec: Any, parts: dict[str, Tensor], device: torch.device
+) -> tuple[dict[str, Tensor], kernels.Storage, tuple[Tensor, ...]]:
+    """A moment as the fused step takes it: stored ``parts``, their ``Storage`` and the codec's
+    lookup tables (blocks only)."""
+    storage = kernels.storage_of(codec)
+    return parts, storage, codec.tables(device) if storage.kind == "blockwise" else ()
+
+
+def _raw_factored(state: dict[str, Any]) -> tuple[Tensor, Tensor] | None:
+    """Adafactor's row and column statistics where it keeps them unencoded (a matrix's
+    factored second moment), else None."""
+    if "exp_avg_sq_row" not in state:
+        return None
+    return state["exp_avg_sq_row"], state["exp_avg_sq_col"]
 
 
 def _stored_parts(state: dict[str, Any], key: str, parts: Iterable[str]) -> dict[str, Tensor]:

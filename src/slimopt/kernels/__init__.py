@@ -8,22 +8,25 @@ OpenMP on the CPU, Triton kernels on CUDA. The reference path stays the definiti
 gives the same codes for the same fp32 values and parameters within fp32 round-off (the fused
 loops may contract a multiply and an add into one rounding).
 
-Covered: the AdamW rule with every storage format (``formats``), fp32 or bf16 parameters rounded
-to nearest or stochastically. On CUDA, moments stored elementwise (fp32, bf16, 8- and 4-bit
-blocks) take the hand-written Triton kernel of ``triton_adamw`` instead: one launch per tensor,
-no compilation per shape. Stochastic roundings draw from counter-based streams
-(``slimopt.codecs.draws``) seeded as the reference path seeds them, so they draw the same numbers.
-Not covered (``unsupported`` says why): Adafactor, complex parameters, ternary states of tensors
-with more than two dimensions (their factored second moment is over the last two).
+Covered: the AdamW and Adafactor rules (``adafactor``) with every storage format (``formats``),
+fp32 or bf16 parameters rounded to nearest or stochastically. On CUDA, AdamW moments stored
+elementwise (fp32, bf16, 8- and 4-bit blocks) take the hand-written Triton kernel of
+``triton_adamw`` instead: one launch per tensor, no compilation per shape. Stochastic roundings
+draw from counter-based streams (``slimopt.codecs.draws``) seeded as the reference path seeds
+them, so they draw the same numbers. Not covered (``unsupported`` says why): TACO's rule,
+complex parameters, tensors with more than two dimensions under ternary states or Adafactor
+(their factored statistics are over the last two).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
 import shutil
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,18 +36,30 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from slimopt.kernels import formats
 from slimopt.kernels.formats import Storage, storage_of
 
-__all__ = ["FUSED_CHOICES", "Storage", "adamw_step", "hyperparameters", "storage_of", "unsupported"]
+__all__ = [
+    "FUSED_CHOICES",
+    "Storage",
+    "adafactor_step",
+    "adamw_step",
+    "compile_settings",
+    "fused_step",
+    "hyperparameters",
+    "scalars",
+    "storage_of",
+    "unsupported",
+]
 from slimopt.memory import untracked
 
 # What ``fused=`` accepts: None chooses the fused path where it exists and runs on CUDA.
 FUSED_CHOICES = (None, True, False)
-# Tensor sizes are marked dynamic (one compiled step serves every size); everything else,
-# block sizes and code widths included, stays a constant of the compiled loops: a block
-# reduction of symbolic length is several times slower. One compiled step per storage pair
-# and weight dtype, a handful per model: more than dynamo's default of 8 variants per function,
-# past which it would run the step eagerly.
+# Sizes of elementwise moments are marked dynamic (one compiled step serves every size);
+# everything else, block sizes and code widths included, stays a constant of the compiled loops:
+# a block reduction of symbolic length is several times slower. One compiled step per storage
+# pair and weight dtype, and for moments scaled by rows and columns one per matrix shape, a
+# handful to a few dozen per model (a few hundred in one test session): more than dynamo's
+# default of 8 variants per function, past which it would run the step eagerly.
 COMPILE_SETTINGS = {
-    "recompile_limit": 64,
+    "recompile_limit": 256,
     "automatic_dynamic_shapes": False,
     "assume_static_by_default": True,
 }
@@ -98,10 +113,13 @@ def give_up_auto(reason: str) -> None:
 
 def unsupported(rule: Any, group: dict[str, Any], param: Tensor) -> str | None:
     """Why the fused step cannot update ``param`` of ``group`` exactly, or None."""
-    from slimopt.rules import AdamWRule
+    from slimopt.rules import AdafactorRule, AdamWRule
 
-    if not isinstance(rule, AdamWRule):
-        return f"the {type(rule).__name__.removesuffix('Rule')} rule has no fused step (AdamW only)"
+    if not isinstance(rule, (AdamWRule, AdafactorRule)):
+        name = type(rule).__name__.removesuffix("Rule")
+        return f"the {name} rule has no fused step (AdamW and Adafactor only)"
+    if isinstance(rule, AdafactorRule) and param.dim() > 2:
+        return "Adafactor's factored statistics of tensors with more than 2 dimensions have no fused step"
     if group["states"] == "ternary" and param.dim() > 2:
         return "ternary states of tensors with more than 2 dimensions have no fused step"
     if param.is_complex():
@@ -123,6 +141,42 @@ def compiler_error(device_type: str) -> str | None:
     ):
         return "torch.compile needs a C++ compiler for the CPU (g++ or clang++), and none is on PATH"
     return None
+
+
+# One moment as the fused steps take it: its stored parts by name, their storage, its lookup
+# tables (empty but for blocks).
+Moment = tuple[dict[str, Tensor], Storage, tuple[Tensor, ...]]
+
+
+def fused_step(
+    rule: Any,
+    group: dict[str, Any],
+    grad: Tensor,
+    moments: dict[str, Moment],
+    factored: tuple[Tensor, Tensor] | None,
+    age: int,
+    step: int,
+    weights: Tensor | None,
+    seeds: tuple[Tensor, ...] = (),
+    keep: Tensor | None = None,
+) -> Tensor | None:
+    """One step of ``rule`` (AdamW or Adafactor, with ``group``'s hyperparameters) on the fp32
+    matrix ``grad``: ``moments`` by key in the rule's order, Adafactor's raw ``factored`` row and
+    column statistics, step ``age`` of the moments and ``step`` of the parameter (its step
+    size's); ``weights``, ``seeds`` and ``keep`` as for ``adamw_step``."""
+    from slimopt.kernels import adafactor
+    from slimopt.rules import AdafactorRule
+
+    device = grad.device
+    if isinstance(rule, AdafactorRule):
+        # The weights' RMS of ``scale_parameter`` is taken inside the compiled step.
+        hyper = adafactor.hyperparameters(age, rule.unscaled_step_size(group, step), group, device)
+        return adafactor_step(grad, moments, factored, hyper, group["scale_parameter"], weights, seeds, keep)
+    lr = rule.step_size(group, weights, step)
+    scale = 1.0 if weights is not None else group["scale"]
+    hyper = hyperparameters(lr, group["betas"], group["eps"], group["weight_decay"], age, scale, device)
+    parts, storages, tables = zip(*moments.values(), strict=True)
+    return adamw_step(grad, parts, storages, tables, hyper, weights, seeds, keep)
 
 
 # Both moments' stored parts by name, their storages, and their lookup tables (empty but for blocks).
@@ -164,18 +218,54 @@ def adamw_step(
         # Elementwise storage: the step runs on flat vectors of dynamic length, one compiled
         # step for every shape (matrix index arithmetic of symbolic width is slower).
         grad, weights = grad.view(-1), None if weights is None else weights.view(-1)
-    _mark_dynamic(grad, weights, *(t for parts in moments for t in parts.values()))
-    step = _compiled(_adamw_step)
-    direction, deferred = step(grad, moments, storages, tables, hyper, weights, seeds, keep)
-    ternary = [pair for pair in zip(moments, storages, strict=True) if pair[1].kind == "ternary"]
-    for (value, seed), (parts, storage) in zip(deferred, ternary, strict=True):
-        _mark_dynamic(value)
-        normalized = _compiled(formats.ternary_scales)(value, parts, storage, keep)
-        _mark_dynamic(normalized)
-        scaled = _compiled(formats.ternary_exponents)(normalized, parts, storage, keep)
-        _mark_dynamic(scaled)
-        _compiled(formats.ternary_codes)(scaled, parts, seed, keep)
+        _mark_dynamic(grad, weights, *(t for parts in moments for t in parts.values()))
+    # Moments scaled by rows and columns compile once per matrix shape: with sizes as constants
+    # the element → byte, digit and block arithmetic of ternary codes becomes multiplications
+    # by constants instead of divisions by symbols, and Inductor drops the bounds checks that
+    # kept the loops scalar (one 8192×512 step: 30 ms with symbolic sizes, 20 ms with constants).
+    with compile_settings():
+        step = _compiled(_adamw_step)
+        direction, deferred = step(grad, moments, storages, tables, hyper, weights, seeds, keep)
+        _encode_in_phases(deferred, keep)
     return None if direction is None else direction.view(matrix)
+
+
+def adafactor_step(
+    grad: Tensor,
+    moments: dict[str, Moment],
+    factored: tuple[Tensor, Tensor] | None,
+    hyper: Tensor,
+    scale_parameter: bool,
+    weights: Tensor | None,
+    seeds: tuple[Tensor, ...] = (),
+    keep: Tensor | None = None,
+) -> Tensor | None:
+    """One Adafactor step of the fp32 matrix ``grad`` (rows × columns, contiguous), as
+    ``adamw_step`` is one of AdamW: the moments present (``exp_avg`` with momentum,
+    ``exp_avg_sq`` unless the second moment is ``factored`` into raw row and column statistics)
+    and the ``weights`` updated in place, or the direction returned without weights.
+    ``hyper``: ``adafactor.hyperparameters``; ``scale_parameter``: whether the step size is
+    multiplied by the weights' RMS."""
+    from slimopt.kernels import adafactor
+
+    if not any(storage.kind in formats.MATRIX_KINDS for _, storage, _ in moments.values()):
+        # As for AdamW: one compiled step for every shape, but where ternary codes are indexed.
+        parts = (t for stored, _, _ in moments.values() for t in stored.values())
+        _mark_dynamic(grad, weights, *(factored or ()), *parts)
+    with compile_settings():
+        step = _compiled(adafactor.adafactor_step)
+        direction, deferred = step(grad, moments, factored, hyper, scale_parameter, weights, seeds, keep)
+        _encode_in_phases(deferred, keep)
+    return direction
+
+
+def _encode_in_phases(deferred: tuple[formats.Deferred, ...], keep: Tensor | None) -> None:
+    """Encode each ternary moment a compiled step left to its caller (its new value, stream,
+    stored parts and storage), one compiled phase after another (``formats``)."""
+    for value, seed, parts, storage in deferred:
+        normalized = _compiled(formats.ternary_scales)(value, parts, storage, keep)
+        scaled = _compiled(formats.ternary_exponents)(normalized, parts, storage, keep)
+        _compiled(formats.ternary_codes)(scaled, parts, seed, keep)
 
 
 def hyperparameters(
@@ -192,23 +282,8 @@ def hyperparameters(
     The tensor is shared by every parameter with the same scalars (read only): one host-to-device
     copy per group and step, not one per parameter."""
     beta1, beta2 = (float(beta) for beta in betas)
-    return _hyperparameters(
-        float(lr), beta1, beta2, float(eps), float(weight_decay), age, scale, torch.device(device)
-    )
-
-
-@functools.lru_cache(maxsize=256)
-def _hyperparameters(
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    age: int,
-    scale: float,
-    device: torch.device,
-) -> Tensor:
-    values = [
+    lr, eps, weight_decay = float(lr), float(eps), float(weight_decay)
+    values = (
         1 - beta1,
         beta2,
         1 - beta2,
@@ -217,7 +292,15 @@ def _hyperparameters(
         (1 - beta2**age) ** 0.5,
         1 - lr * weight_decay,
         -lr * scale,
-    ]
+    )
+    return scalars(values, torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def scalars(values: tuple[float, ...], device: torch.device) -> Tensor:
+    """``values`` as an fp32 tensor on ``device``, each rounded once from double precision,
+    cached: shared by every parameter with the same scalars (read only), one host-to-device
+    copy per group and step, not one per parameter."""
     with untracked():  # a cache shared by the steps, not memory of one
         return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
 
@@ -238,20 +321,14 @@ def triton_handles(storages: Storages) -> bool:
 
 
 def _compiled(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` compiled with ``COMPILE_SETTINGS``.
+    """``function`` compiled (to be called with ``COMPILE_SETTINGS`` in effect).
 
     Under a mode that watches every operation (slimopt.memory.LiveBytes, counting a step's
     memory) dynamo cannot compile, and it would never try the function again: it runs as it
     is, compiled the next time no mode watches."""
     if is_in_torch_dispatch_mode(include_infra_modes=False):
         return function
-    compiled = _compile(function)
-
-    def call(*args: Any) -> Any:
-        with torch._dynamo.config.patch(**COMPILE_SETTINGS):
-            return compiled(*args)
-
-    return call
+    return _compile(function)
 
 
 @functools.cache
@@ -259,12 +336,34 @@ def _compile(function: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(function)
 
 
+@contextlib.contextmanager
+def compile_settings() -> Iterator[None]:
+    """``COMPILE_SETTINGS`` in effect, for the compiled steps called inside. Entering them costs
+    about as much as a guard check (20 ms of a llama_60m ternary step, entered per compiled
+    call), so ``step()`` enters them once for all its tensors and the steps inside skip it."""
+    if getattr(_settings, "entered", False):
+        yield
+        return
+    with torch._dynamo.config.patch(**COMPILE_SETTINGS):
+        _settings.entered = True
+        try:
+            yield
+        finally:
+            _settings.entered = False
+
+
+# Whether this thread is inside ``compile_settings``.
+_settings = threading.local()
+
+
 def _mark_dynamic(*tensors: Tensor | None) -> None:
-    """Mark every size of ``tensors`` dynamic: one compiled function serves every shape."""
+    """Mark every size of ``tensors`` dynamic: one compiled function serves every shape.
+    (Stored moments keep their marks from step to step: marking again would cost as much.)"""
     for tensor in tensors:
         if tensor is not None:
+            marked = getattr(tensor, "_dynamo_dynamic_indices", ())
             for dim, size in enumerate(tensor.shape):
-                if size > 1:
+                if size > 1 and dim not in marked:
                     torch._dynamo.mark_dynamic(tensor, dim)
 
 
@@ -277,9 +376,10 @@ def _adamw_step(
     weights: Tensor | None,
     seeds: tuple[Tensor, ...],
     keep: Tensor | None,
-) -> tuple[Tensor | None, tuple[tuple[Tensor, Tensor], ...]]:
+) -> tuple[Tensor | None, tuple[formats.Deferred, ...]]:
     """``adamw_step``'s compiled part: it returns the direction (None with ``weights``) and, for
-    each ternary moment, its new value and stream, which the caller encodes in phases."""
+    each ternary moment, its new value, stream, stored parts and storage, which the caller
+    encodes in phases."""
     new1, beta2, new2, eps, correction1, correction2_sqrt, decay, alpha = hyper.unbind()
     streams = iter(seeds)
     grad_shape = shape = grad.shape
@@ -309,7 +409,7 @@ def _adamw_step(
     for value, parts, storage, table in zip((exp_avg, exp_avg_sq), moments, storages, tables, strict=True):
         seed = next(streams) if storage.stochastic else None
         if storage.kind == "ternary":
-            deferred.append((value, seed))  # the caller encodes it phase by phase (formats)
+            deferred.append((value, seed, parts, storage))  # the caller encodes it in phases
         else:
             formats.encode(value, parts, storage, table, seed, keep)
     if weights is None:

@@ -44,6 +44,11 @@ class Storage:
         return self.kind in ("bf16", "ternary")
 
 
+# A ternary moment a compiled step leaves to its caller to encode in phases (below): its new
+# value, its stream of draws, its stored parts and its storage.
+Deferred = tuple[Tensor, Tensor, dict[str, Tensor], Storage]
+
+
 def storage_of(codec: Any) -> Storage | None:
     """The ``Storage`` of a codec the fused step handles, else None."""
     if isinstance(codec, Fp32Codec):

@@ -18,8 +18,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from slimopt.codecs.plain import FLOAT32_MAX
 
-def _rms(tensor: Tensor) -> Tensor:
+
+def rms(tensor: Tensor) -> Tensor:
+    """The root mean square of ``tensor``'s elements, as a 0-d fp32 tensor."""
     return torch.linalg.vector_norm(tensor, dtype=torch.float32) / math.sqrt(tensor.numel())
 
 
@@ -65,7 +68,9 @@ class AdafactorRule:
 
     def direction(self, grad: Tensor, state: dict[str, Tensor], age: int, group: dict[str, Any]) -> Tensor:
         weight = math.pow(age, group["decay_rate"])  # 1 - beta2_t, with beta2_t = 1 - t^decay_rate
-        squared = grad.square().add_(group["eps"][0])
+        # Bounded so that no mean of squares overflows: a finite gradient above ~1e19 (its
+        # square is inf) would otherwise turn every statistic of its rows and columns to NaN.
+        squared = grad.square().add_(group["eps"][0]).clamp_(max=FLOAT32_MAX / max(grad.numel(), 1))
         if "exp_avg_sq_row" in state:
             row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
             row.lerp_(squared.mean(dim=-1), weight)
@@ -76,18 +81,23 @@ class AdafactorRule:
             exp_avg_sq = state["exp_avg_sq"]
             exp_avg_sq.lerp_(squared, weight)
             update = exp_avg_sq.rsqrt() * grad
-        update.div_((_rms(update) / group["clip_threshold"]).clamp_(min=1.0))
+        update.div_((rms(update) / group["clip_threshold"]).clamp_(min=1.0))
         if "exp_avg" in state:
             state["exp_avg"].lerp_(update, 1 - group["beta1"])
             update = state["exp_avg"].clone()
         return update
 
     def step_size(self, group: dict[str, Any], weights: Tensor, step: int) -> float | Tensor:
-        size = group["lr"]
-        if group["relative_step"]:
-            ceiling = 1e-6 * step if group["warmup_init"] else 1e-2
-            size = min(ceiling, 1.0 / math.sqrt(step))
+        size = self.unscaled_step_size(group, step)
         if group["scale_parameter"]:
             # A 0-d tensor: reading the RMS on the host would synchronize a GPU once per parameter.
-            return _rms(weights).clamp_(min=group["eps"][1]).mul_(size)
+            return rms(weights).clamp_(min=group["eps"][1]).mul_(size)
         return size
+
+    def unscaled_step_size(self, group: dict[str, Any], step: int) -> float:
+        """The step size before ``scale_parameter``'s factor (the weights' RMS): ``lr``, or the
+        relative step size of step ``step``."""
+        if group["relative_step"]:
+            ceiling = 1e-6 * step if group["warmup_init"] else 1e-2
+            return min(ceiling, 1.0 / math.sqrt(step))
+        return group["lr"]

@@ -1,0 +1,119 @@
+"""The fused Adafactor step: the rule of ``slimopt.rules.adafactor`` with its moments' storage,
+written once as a function of the stored tensors and compiled with ``torch.compile``.
+
+Adafactor is not elementwise: the factored second moment averages the squared gradient over
+rows and columns, the update is clipped by its RMS over the whole tensor, and
+``scale_parameter`` multiplies the step by the weights' RMS. Inductor turns these reductions and
+the elementwise work around them into a few loops of one compiled function, where the reference
+path runs a chain of separate operations; there is no hand-written Triton kernel for it (CUDA
+gets Inductor's Triton kernels). Moments are decoded and encoded by ``slimopt.kernels.formats``,
+as the AdamW step does, so every storage format the reference path has is covered.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slimopt.codecs.plain import FLOAT32_MAX
+from slimopt.kernels import Moment, formats, scalars
+from slimopt.kernels.formats import Storage
+from slimopt.rules.adafactor import rms
+
+
+def adafactor_step(
+    grad: Tensor,
+    moments: dict[str, Moment],
+    factored: tuple[Tensor, Tensor] | None,
+    hyper: Tensor,
+    scale_parameter: bool,
+    weights: Tensor | None,
+    seeds: tuple[Tensor, ...],
+    keep: Tensor | None,
+) -> tuple[Tensor | None, tuple[formats.Deferred, ...]]:
+    """``slimopt.kernels.adafactor_step``'s compiled part, on the fp32 matrix ``grad``.
+
+    ``moments``: by key (``exp_avg`` when there is momentum, ``exp_avg_sq`` unless the second
+    moment is ``factored``), the stored parts, storage and lookup tables. ``factored``: the raw
+    fp32 row and column statistics of an unprojected matrix, updated in place. ``hyper``:
+    ``hyperparameters``; ``scale_parameter``: whether the step size is multiplied by the
+    weights' RMS (taken before the update, as the rule's ``step_size`` takes it). Returns the
+    direction (None with ``weights``, which are updated in place) and each ternary moment's
+    new value, stream, parts and storage, which the caller encodes in phases."""
+    weight, eps, weights_eps, clip, new1, weight_decay, size = hyper.unbind()
+    streams = iter(seeds)
+    squared = (grad * grad + eps).clamp(max=FLOAT32_MAX / max(grad.numel(), 1))
+    if factored is not None:
+        row, col = factored
+        new_row = torch.lerp(row, squared.mean(dim=-1), weight)
+        new_col = torch.lerp(col, squared.mean(dim=-2), weight)
+        row_factor = (new_row / new_row.mean(dim=-1, keepdim=True)).rsqrt().unsqueeze(-1)
+        update = row_factor * new_col.unsqueeze(-2).rsqrt() * grad
+        formats.store(row, new_row, keep)
+        formats.store(col, new_col, keep)
+        new_moments = {}
+    else:
+        parts, storage, table = moments["exp_avg_sq"]
+        exp_avg_sq = torch.lerp(_decode(parts, storage, table, grad.shape), squared, weight)
+        update = exp_avg_sq.rsqrt() * grad
+        new_moments = {"exp_avg_sq": exp_avg_sq}
+    update = update / (rms(update) / clip).clamp(min=1.0)
+    if "exp_avg" in moments:
+        parts, storage, table = moments["exp_avg"]
+        update = torch.lerp(_decode(parts, storage, table, grad.shape), update, new1)
+        new_moments["exp_avg"] = update
+    deferred = []
+    # The reference path's order of stochastic draws: the moments in the rule's order, then
+    # the weights.
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key not in new_moments:
+            continue
+        parts, storage, table = moments[key]
+        value = new_moments[key]
+        seed = next(streams) if storage.stochastic else None
+        if storage.kind == "ternary":
+            deferred.append((value, seed, parts, storage))
+        elif storage.kind in formats.MATRIX_KINDS:
+            formats.encode(value, parts, storage, table, seed, keep)
+        else:
+            formats.encode(value.reshape(-1), parts, storage, table, seed, keep)
+    if weights is None:
+        return update if keep is None else torch.where(keep, update, 0.0), tuple(deferred)
+    lr = size
+    if scale_parameter:
+        lr = rms(weights.float()).clamp(min=weights_eps) * size
+    target = weights.float() * (1 - lr * weight_decay) - lr * update
+    if weights.dtype == torch.bfloat16:
+        target = formats.round_to_bf16(target, next(streams, None))
+    formats.store(weights, target, keep)
+    return None, tuple(deferred)
+
+
+def _decode(
+    parts: dict[str, Tensor], storage: Storage, table: tuple[Tensor, ...], shape: torch.Size
+) -> Tensor:
+    """A moment of ``shape``; an elementwise one decoded flat and viewed as the matrix: with
+    sizes symbolic, comparing a matrix shape with the blocks' would fix them to constants."""
+    if storage.kind in formats.MATRIX_KINDS:
+        return formats.decode(parts, storage, table, shape)
+    return formats.decode(parts, storage, table, torch.Size([shape.numel()])).view(shape)
+
+
+def hyperparameters(age: int, size: float, group: dict[str, Any], device: torch.device) -> Tensor:
+    """The step's scalars as one fp32 tensor: the second moment's weight ``age ** decay_rate``,
+    ``eps`` (the squared gradient's, then the weights' RMS floor), ``clip_threshold``,
+    ``1 - beta1``, ``weight_decay`` and the step size ``size`` before ``scale_parameter``."""
+    beta1 = group["beta1"]
+    values = (
+        math.pow(age, group["decay_rate"]),
+        group["eps"][0],
+        group["eps"][1],
+        group["clip_threshold"],
+        0.0 if beta1 is None else 1 - beta1,
+        group["weight_decay"],
+        size,
+    )
+    return scalars(tuple(float(value) for value in values), device)
