@@ -488,11 +488,11 @@ def test_fused_flag_reaches_the_optimizer(workspace: Path, tmp_path: Path, capsy
     argv = [
         "train",
         "--optimizer",
-        "adafactor",
+        "taco",
         "--steps",
         "2",
         "--fused",
         *run_args(workspace, tmp_path / "t"),
     ]
     assert main(argv) == 2
-    assert "fused=True: the Adafactor rule has no fused step" in capsys.readouterr().err
+    assert "fused=True: the TACO rule has no fused step" in capsys.readouterr().err

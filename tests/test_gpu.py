@@ -46,23 +46,38 @@ def test_planner_predicts_cuda_max_memory_allocated() -> None:
     assert abs(predicted - measured) <= 0.1 * measured
 
 
-@pytest.mark.parametrize("states", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize(
+    ("optimizer_class", "states"),
+    [
+        (GaLoreAdamW, "fp32"),
+        (GaLoreAdamW, "int8"),
+        (GaLoreAdamW, "int4"),
+        (GaLoreAdamW, "ternary"),
+        (GaLoreAdafactor, "fp32"),
+        (GaLoreAdafactor, "int8"),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_auto_fuses_on_cuda_and_matches_the_reference(states, dtype) -> None:
-    """On CUDA ``fused=None`` takes the fused step (Triton kernels built by torch.compile); it
-    ends within fp32 round-off of the reference path (as on the CPU, tests/test_fused.py)."""
+def test_auto_fuses_on_cuda_and_matches_the_reference(optimizer_class, states, dtype) -> None:
+    """On CUDA ``fused=None`` takes the fused step (the hand-written Triton kernel, or Triton
+    kernels built by torch.compile for ternary storage and Adafactor); it ends within fp32
+    round-off of the reference path (as on the CPU, tests/test_fused.py)."""
     shapes = [(4099, 1025), (512, 256), (1000,)]  # sliced by rows, whole, padded blocks
     torch.manual_seed(0)
     initial = [torch.randn(s).to(dtype) for s in shapes]
     runs = {}
     for fused in (None, False):
         params = [w.cuda().requires_grad_() for w in initial]
-        optimizer = GaLoreAdamW(params, lr=1e-2, states=states, fused=fused)
+        optimizer = optimizer_class(params, lr=1e-2, states=states, fused=fused)
         assert optimizer.fused_path == ["fused" if fused is None else "reference (fused=False)"]
         for step in range(4):
             for p, shape in zip(params, shapes, strict=True):
                 p.grad = gradient(step, shape).to(p)
             optimizer.step()
         runs[fused] = [p.detach().float().cpu() for p in params]
+    # Adafactor's step size is a reduction (the weights' RMS), summed in another order by the
+    # compiled loops: bf16 weights then cross rounding boundaries more often (1.05e-4 on the CPU
+    # with these shapes, fused=True against False).
+    bf16 = 2e-4 if optimizer_class is GaLoreAdafactor else 1e-4
     for a, b in zip(runs[None], runs[False], strict=True):
-        assert relative_error(a, b) <= (1e-5 if dtype == torch.float32 else 1e-4)
+        assert relative_error(a, b) <= (1e-5 if dtype == torch.float32 else bf16)
