@@ -264,7 +264,7 @@ def _encode_in_phases(deferred: tuple[formats.Deferred, ...], keep: Tensor | Non
     stored parts and storage), one compiled phase after another (``formats``)."""
     for value, seed, parts, storage in deferred:
         normalized = _compiled(formats.ternary_scales)(value, parts, storage, keep)
-        scaled = _compiled(formats.ternary_exponents)(normalized, parts, storage, keep)
+        scaled, _ = _compiled(formats.ternary_exponents)(normalized, parts, storage, keep)
         _compiled(formats.ternary_codes)(scaled, parts, seed, keep)
 
 

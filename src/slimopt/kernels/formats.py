@@ -162,7 +162,7 @@ def _encode_blockwise(
 def _encode_ternary(
     value: Tensor, parts: dict[str, Tensor], storage: Storage, seed: Tensor, keep: Tensor | None
 ) -> None:
-    scaled = ternary_exponents(ternary_scales(value, parts, storage, keep), parts, storage, keep)
+    scaled, _ = ternary_exponents(ternary_scales(value, parts, storage, keep), parts, storage, keep)
     ternary_codes(scaled, parts, seed, keep)
 
 
@@ -189,15 +189,19 @@ def ternary_scales(value: Tensor, parts: dict[str, Tensor], storage: Storage, ke
 
 def ternary_exponents(
     normalized: Tensor, parts: dict[str, Tensor], storage: Storage, keep: Tensor | None
-) -> Tensor:
+) -> tuple[Tensor, Tensor]:
     """Phase 2: each block's exponent (written to ``parts``) and the blocks divided by their
-    scales, flat, padded to whole blocks."""
+    scales, flat, padded to whole blocks; then the scales, which the caller drops: returned so
+    that Inductor writes them out once per block, where it would otherwise compute both
+    ``exp2`` of each block once per element, in a scalar loop (3.0 instead of 3.7 ms for
+    4.2M elements)."""
     blocks = _pad(normalized.reshape(-1), storage.block_size)
     block_max = blocks.abs().amax(dim=1)
     exponents = torch.ceil(-EXPONENT_STEPS_PER_OCTAVE * torch.log2(block_max)).clamp(0, 255)
     exponents = torch.where(_exponent_scale(exponents) < block_max, exponents - 1, exponents)
     store(parts["exponents"], exponents.to(torch.uint8), keep)
-    return (blocks / _exponent_scale(exponents).unsqueeze(1)).reshape(-1)
+    scale = _exponent_scale(exponents)
+    return (blocks / scale.unsqueeze(1)).reshape(-1), scale
 
 
 def ternary_codes(scaled: Tensor, parts: dict[str, Tensor], seed: Tensor, keep: Tensor | None) -> None:
