@@ -649,7 +649,7 @@ class GaLoreOptimizer(Optimizer):
 
     def _stored_moments(
         self, state: dict[str, Any], group: dict[str, Any], layout: torch.Size, device: torch.device
-    ) -> dict[str, tuple[dict[str, Tensor], kernels.Storage, tuple[Tensor, ...]]]:
+    ) -> dict[str, kernels.Moment]:
         """Each moment of the rule that ``state`` holds, in the rule's order, as the fused step
         takes it: its stored parts, their ``Storage`` and its lookup tables (blocks only)."""
         return {
@@ -662,7 +662,7 @@ class GaLoreOptimizer(Optimizer):
         self,
         group: dict[str, Any],
         grad: Tensor,
-        moments: dict[str, tuple[dict[str, Tensor], kernels.Storage, tuple[Tensor, ...]]],
+        moments: dict[str, kernels.Moment],
         factored: tuple[Tensor, Tensor] | None,
         age: int,
         step: int,
@@ -1191,9 +1191,7 @@ def _update_weights_projected(
     part.copy_(target if generator is None else round_to_bf16_stochastically(target, generator))
 
 
-def _fused_moment(
-    codec: Any, parts: dict[str, Tensor], device: torch.device
-) -> tuple[dict[str, Tensor], kernels.Storage, tuple[Tensor, ...]]:
+def _fused_moment(codec: Any, parts: dict[str, Tensor], device: torch.device) -> kernels.Moment:
     """A moment as the fused step takes it: stored ``parts``, their ``Storage`` and the codec's
     lookup tables (blocks only)."""
     storage = kernels.storage_of(codec)

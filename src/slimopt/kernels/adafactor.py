@@ -18,10 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slimopt.codecs.plain import FLOAT32_MAX
 from slimopt.kernels import Moment, formats, scalars
 from slimopt.kernels.formats import Storage
-from slimopt.rules.adafactor import rms
+from slimopt.rules.adafactor import rms, squared_gradient
 
 
 def adafactor_step(
@@ -45,7 +44,7 @@ def adafactor_step(
     new value, stream, parts and storage, which the caller encodes in phases."""
     weight, eps, weights_eps, clip, new1, weight_decay, size = hyper.unbind()
     streams = iter(seeds)
-    squared = (grad * grad + eps).clamp(max=FLOAT32_MAX / max(grad.numel(), 1))
+    squared = squared_gradient(grad, eps)
     if factored is not None:
         row, col = factored
         new_row = torch.lerp(row, squared.mean(dim=-1), weight)
@@ -66,12 +65,9 @@ def adafactor_step(
         update = torch.lerp(_decode(parts, storage, table, grad.shape), update, new1)
         new_moments["exp_avg"] = update
     deferred = []
-    # The reference path's order of stochastic draws: the moments in the rule's order, then
-    # the weights.
-    for key in ("exp_avg", "exp_avg_sq"):
-        if key not in new_moments:
-            continue
-        parts, storage, table = moments[key]
+    # The reference path's order of stochastic draws: the moments in the rule's order (that of
+    # ``moments``), then the weights.
+    for key, (parts, storage, table) in moments.items():
         value = new_moments[key]
         seed = next(streams) if storage.stochastic else None
         if storage.kind == "ternary":

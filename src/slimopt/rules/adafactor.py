@@ -26,6 +26,12 @@ def rms(tensor: Tensor) -> Tensor:
     return torch.linalg.vector_norm(tensor, dtype=torch.float32) / math.sqrt(tensor.numel())
 
 
+def squared_gradient(grad: Tensor, eps: float | Tensor) -> Tensor:
+    """``grad² + eps``, bounded so that no mean of it overflows: a finite gradient above ~1e19
+    (its square is inf) would otherwise turn every statistic of its rows and columns to NaN."""
+    return grad.square().add_(eps).clamp_(max=FLOAT32_MAX / max(grad.numel(), 1))
+
+
 class AdafactorRule:
     """Adafactor direction ``clip(g / √v̂)`` with optional momentum."""
 
@@ -68,9 +74,7 @@ class AdafactorRule:
 
     def direction(self, grad: Tensor, state: dict[str, Tensor], age: int, group: dict[str, Any]) -> Tensor:
         weight = math.pow(age, group["decay_rate"])  # 1 - beta2_t, with beta2_t = 1 - t^decay_rate
-        # Bounded so that no mean of squares overflows: a finite gradient above ~1e19 (its
-        # square is inf) would otherwise turn every statistic of its rows and columns to NaN.
-        squared = grad.square().add_(group["eps"][0]).clamp_(max=FLOAT32_MAX / max(grad.numel(), 1))
+        squared = squared_gradient(grad, group["eps"][0])
         if "exp_avg_sq_row" in state:
             row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
             row.lerp_(squared.mean(dim=-1), weight)
