@@ -150,7 +150,7 @@ def rounding_step(states: str, codec, stored: dict, values: torch.Tensor) -> tor
         _, exponent = torch.frexp(values)  # |x| = mantissa · 2^exponent, mantissa in [0.5, 1)
         return torch.ldexp(torch.ones_like(values), exponent - 8)  # bf16 keeps 8 significant bits
     # Ternary: the element's scale, read by decoding a code of all +1 digits (byte 242).
-    return codec.decode({**stored, "codes": torch.full_like(stored["codes"], 242)}, values.shape)
+    return codec.decode({**stored, "trits": torch.full_like(stored["trits"], 242)}, values.shape)
 
 
 # Upper bounds on the rounding noise, Σ Var(decoded) / Σ x², from the formats alone (the
@@ -213,3 +213,26 @@ def test_stochastic_rounding_keeps_ternary_moving_averages_moving(monkeypatch: p
     assert stale < 0.3
     assert stale_nearest > 0.9
     assert distance < 0.5 * distance_nearest
+
+
+def test_ternary_bytes_and_blocks_run_down_columns() -> None:
+    """In a matrix of at least 32 rows byte (a, c) holds rows 5a … 5a+4 of column c (digit k:
+    row 5a+k, least significant first) and block (b, c) covers rows 8b … 8b+7: values of
+    exactly ±1 and 0 round deterministically, so the bytes follow from the layout alone."""
+    rows, cols = 42, 33  # the last byte row holds two rows, the last block row two
+    generator = torch.Generator().manual_seed(7)
+    values = torch.randint(-1, 2, (rows, cols), generator=generator).float()
+    values[:, 0] = 1.0  # every row's maximum is 1
+    values[0, :] = 1.0  # every column's maximum is 1
+    values[8:16, 3] = 0.5 * values[8:16, 3].sign().where(values[8:16, 3] != 0, 1.0)  # block (1, 3)
+    stored = ternary.TernaryCodec(8, row_scale=True, col_scale=True).encode(values)
+    digits = (values.sign() + 1).int()
+    expected = torch.zeros(-(-rows // 5), cols, dtype=torch.int32)
+    for row in range(rows):
+        expected[row // 5] += digits[row] * 3 ** (row % 5)
+    assert torch.equal(stored["trits"].view(-1, cols).int(), expected)
+    exponents = torch.zeros(-(-rows // 8), cols, dtype=torch.uint8)
+    for row in range(0, rows, 8):
+        exponents[row // 8][(values[row : row + 8] == 0).all(dim=0)] = 255  # a block of zeros
+    exponents[1, 3] = 4  # 0.5 = 2^(-4/4)
+    assert torch.equal(stored["exponents"].view(-1, cols), exponents)

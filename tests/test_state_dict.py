@@ -7,7 +7,14 @@ import io
 import pytest
 import torch
 
-from slimopt import GaLoreAdafactor, GaLoreAdamW, GaLoreAdamW8bit, build_optimizer, decoded_state
+from slimopt import (
+    AdamWTernary,
+    GaLoreAdafactor,
+    GaLoreAdamW,
+    GaLoreAdamW8bit,
+    build_optimizer,
+    decoded_state,
+)
 
 from .conftest import tiny_llama
 
@@ -64,8 +71,10 @@ def test_resume_mid_subspace_is_bit_exact(name: str, dtype: torch.dtype, states:
     optimizer = build_optimizer(first, name, lr=lr, **options)
     train(first, optimizer, 7)  # stop between the refreshes at steps 5 and 10
     stored = [(key, value) for state in optimizer.state.values() for key, value in state.items()]
-    if name.endswith(("8bit", "4bit", "ternary")):
+    if name.endswith(("8bit", "4bit")):
         assert any(key.endswith(".codes") for key, _ in stored)
+    if name.endswith("ternary"):
+        assert any(key.endswith(".trits") for key, _ in stored)
     if states == "bf16":
         assert any(isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 for _, value in stored)
     saved_model = roundtrip(first.state_dict())
@@ -222,3 +231,20 @@ def test_state_dicts_that_cannot_be_loaded_exactly_are_refused(make_saved, make_
     loader = make_loader([p.detach().clone().requires_grad_() for p in params])
     with pytest.raises(ValueError, match=message):
         loader.load_state_dict(roundtrip(saved.state_dict()))
+
+
+def test_ternary_moments_of_the_element_order_layout_are_refused() -> None:
+    """A ternary moment saved before digits ran down columns (its digits in ``codes``) would
+    decode to other values in today's layout: loading names it and the way to carry it over."""
+    params = _params()
+    saved = AdamWTernary(params, lr=1e-3)
+    _steps(params, saved, 0, 1)
+    state_dict = roundtrip(saved.state_dict())
+    state_dict["state"] = {
+        param_id: {key.replace(".trits", ".codes"): value for key, value in state.items()}
+        for param_id, state in state_dict["state"].items()
+    }
+    loader = AdamWTernary(_params(), lr=1e-3)
+    message = r"parameter 0: its ternary moment 'exp_avg' was saved .* states='fp32'"
+    with pytest.raises(ValueError, match=message):
+        loader.load_state_dict(state_dict)

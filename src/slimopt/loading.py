@@ -14,7 +14,9 @@ it. Two kinds of state dict are converted on the way in:
   coupled (L2) weight decay, which slimopt does not compute.
 
 Which parameters are projected, at what rank and on which side cannot change on load (the bases
-and moments would not fit): a difference raises ``ValueError`` naming the group.
+and moments would not fit): a difference raises ``ValueError`` naming the group. Ternary moments
+saved before their digits ran down columns (``slimopt.codecs.ternary``) are refused with the way
+to carry them over.
 """
 
 from __future__ import annotations
@@ -151,6 +153,23 @@ def check_layout(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None
                     f"param group {index}: the state dict was saved with {key}={saved.get(key)!r}, this "
                     f"optimizer has {key}={current.get(key)!r}; projection cannot change on load, so "
                     "construct the optimizer as the checkpoint's was"
+                )
+
+
+def check_ternary_layout(state_dict: dict[str, Any]) -> None:
+    """Raise ``ValueError`` for ternary moments saved in the element-order layout that slimopt
+    used before ternary digits ran down columns (parts ``codes`` beside ``exponents``, where
+    ternary moments now have ``trits``): decoding them as the new layout would be wrong."""
+    for param_id, state in state_dict["state"].items():
+        for key in state:
+            moment = key.removesuffix(".codes")
+            if key != moment and f"{moment}.exponents" in state:
+                raise ValueError(
+                    f"parameter {param_id}: its ternary moment {moment!r} was saved in the layout of "
+                    f"slimopt before ternary digits ran down columns ({key!r}; now {moment}.trits). "
+                    "To carry the run over, load it with the slimopt that saved it into an optimizer "
+                    "with states='fp32' and save again: this optimizer loads that state dict and "
+                    "encodes its moments as ternary"
                 )
 
 

@@ -404,6 +404,7 @@ class GaLoreOptimizer(Optimizer):
             "param_groups": [{**saved, "fused": own["fused"]} for saved, own in groups],
         }
         loading.check_layout(self, state_dict)
+        loading.check_ternary_layout(state_dict)
         pairs = zip(state_dict["param_groups"], self.param_groups, strict=False)
         for index, (saved, current) in enumerate(pairs):
             errors = self._group_errors({**saved, "params": current["params"]})

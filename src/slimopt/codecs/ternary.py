@@ -19,6 +19,15 @@ closely. It is the product of
 
 Five ternary digits fit in a byte (3^5 = 243), so a large matrix costs 1/5 + 1/8 = 0.325 bytes
 per element. Infinite values saturate at the largest fp32 number.
+
+Blocks and bytes run down the columns (``grid``): in a matrix of at least 32 rows, byte (a, c)
+holds the digits of rows 5a … 5a+4 of column c and block (b, c) covers rows 8b … 8b+7 of it (the
+last byte and block are padded). A pass over the matrix row by row then reads the codes and
+exponents of a row as contiguous vectors, as it reads the row's values: the fused step decodes
+in its vector loop instead of gathering bytes and exponents element by element (the compiled
+loops of one 8192×512 step: 14.3–15.0 → 11.3–12.1 ms; benchmarks/RESULTS.md). A matrix of
+fewer rows is laid out as one column of its elements in order: padding a few rows to a whole
+block would cost more than the layout saves.
 """
 
 from __future__ import annotations
@@ -51,14 +60,21 @@ def _safe(scale: Tensor) -> Tensor:
     return torch.where(scale > 0, scale, 1.0)
 
 
-def _pad(flat: Tensor, multiple: int) -> Tensor:
-    padding = -flat.numel() % multiple
-    return torch.cat([flat, flat.new_zeros(padding)]) if padding else flat
+def _pad_rows(grid: Tensor, multiple: int) -> Tensor:
+    """``grid`` with zero rows added up to a multiple of ``multiple`` rows."""
+    padding = -grid.shape[0] % multiple
+    return torch.cat([grid, grid.new_zeros(padding, grid.shape[1])]) if padding else grid
 
 
 # A row (column) scale is kept when the matrix has at least this many columns (rows): 4 bytes
 # per row over 32 columns is 1/8 byte per element.
 MIN_SCALED_LENGTH = 32
+
+
+def grid(rows: int, cols: int) -> tuple[int, int]:
+    """The (rows, columns) that blocks and bytes of a rows × cols matrix run down: the matrix
+    itself from ``MIN_SCALED_LENGTH`` rows, else one column of all its elements."""
+    return (rows, cols) if rows >= MIN_SCALED_LENGTH else (rows * cols, 1)
 
 
 def scale_layout(shape: torch.Size) -> tuple[bool, bool]:
@@ -77,7 +93,7 @@ class TernaryCodec:
         self.block_size = block_size
         self.row_scale = row_scale
         self.col_scale = col_scale
-        self.parts = ("codes", "exponents") + ("row",) * row_scale + ("col",) * col_scale
+        self.parts = ("trits", "exponents") + ("row",) * row_scale + ("col",) * col_scale
 
     def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         stored: dict[str, Tensor] = {}
@@ -89,22 +105,29 @@ class TernaryCodec:
         if self.col_scale:
             stored["col"] = normalized.abs().amax(dim=0)
             normalized.div_(_safe(stored["col"]))
-        blocks = _pad(normalized.reshape(-1), self.block_size).view(-1, self.block_size)
+        grid_rows, grid_cols = grid(rows, cols)
+        blocks = _pad_rows(normalized.view(grid_rows, grid_cols), self.block_size)
+        blocks = blocks.view(-1, self.block_size, grid_cols)
         block_max = blocks.abs().amax(dim=1)
         exponents = torch.ceil(-EXPONENT_STEPS_PER_OCTAVE * torch.log2(block_max)).clamp_(0, 255)
         # log2 rounding must not leave the scale below the block maximum.
         exponents = torch.where(_exponent_scale(exponents) < block_max, exponents - 1, exponents)
-        stored["exponents"] = exponents.to(torch.uint8)
+        stored["exponents"] = exponents.to(torch.uint8).view(-1)
         blocks.div_(_exponent_scale(exponents).unsqueeze(1))
-        stored["codes"] = _ternarize(blocks.reshape(-1), generator)
+        stored["trits"] = _ternarize(blocks.view(-1, grid_cols)[:grid_rows], generator)
         return stored
 
     def decode(self, stored: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
-        exponents = stored["exponents"]
-        digits = _tables(exponents.device)[1].index_select(0, stored["codes"].int()).reshape(-1)
-        signs = digits[: exponents.numel() * self.block_size].float().sub_(1).view(-1, self.block_size)
-        values = (signs * _exponent_scale(exponents.float()).unsqueeze(1)).reshape(-1)[: shape.numel()]
-        values = values.view(matrix_shape(shape))
+        rows, cols = matrix_shape(shape)
+        grid_rows, grid_cols = grid(rows, cols)
+        trits = stored["trits"].view(-1, grid_cols)
+        digits = _tables(trits.device)[1].index_select(0, trits.reshape(-1).int())
+        # (bytes, columns, digit) → rows in order: digit k of byte row a is row 5a + k.
+        digits = digits.view(-1, grid_cols, TRITS_PER_BYTE).transpose(1, 2).reshape(-1, grid_cols)
+        signs = digits[:grid_rows].float().sub_(1)
+        scales = _exponent_scale(stored["exponents"].view(-1, grid_cols).float())
+        scales = scales.repeat_interleave(self.block_size, dim=0)[:grid_rows]
+        values = (signs * scales).view(rows, cols)
         if self.row_scale:
             values = values * stored["row"].unsqueeze(1)
         if self.col_scale:
@@ -117,9 +140,11 @@ def _exponent_scale(exponents: Tensor) -> Tensor:
 
 
 def _ternarize(normalized: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Stochastically round values in [-1, 1] to {-1, 0, +1}; pack five digits to a byte."""
-    draws = uniform(stream_seed(generator, normalized.device), normalized.numel())
+    """Stochastically round a grid of values in [-1, 1] to {-1, 0, +1} (element i of the
+    matrix, in row-major order, takes draw i); pack five rows' digits to a byte."""
+    draws = uniform(stream_seed(generator, normalized.device), normalized.numel()).view(normalized.shape)
     # Digits 0, 1, 2 stand for -1, 0, +1.
     digits = torch.where(draws < normalized.abs(), normalized.sign(), 0.0).add_(1).to(torch.uint8)
-    digits = _pad(digits, TRITS_PER_BYTE).view(-1, TRITS_PER_BYTE)
-    return (digits * _tables(digits.device)[0]).sum(dim=1, dtype=torch.uint8)
+    digits = _pad_rows(digits, TRITS_PER_BYTE).view(-1, TRITS_PER_BYTE, normalized.shape[1])
+    powers = _tables(digits.device)[0].view(1, TRITS_PER_BYTE, 1)
+    return (digits * powers).sum(dim=1, dtype=torch.uint8).view(-1)

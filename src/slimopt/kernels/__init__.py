@@ -263,9 +263,9 @@ def _encode_in_phases(deferred: tuple[formats.Deferred, ...], keep: Tensor | Non
     """Encode each ternary moment a compiled step left to its caller (its new value, stream,
     stored parts and storage), one compiled phase after another (``formats``)."""
     for value, seed, parts, storage in deferred:
-        normalized = _compiled(formats.ternary_scales)(value, parts, storage, keep)
-        scaled, _ = _compiled(formats.ternary_exponents)(normalized, parts, storage, keep)
-        _compiled(formats.ternary_codes)(scaled, parts, seed, keep)
+        _compiled(formats.ternary_scales)(value, parts, storage, keep)
+        scales = _compiled(formats.ternary_exponents)(value, parts, storage, keep)
+        _compiled(formats.ternary_codes)(value, scales, parts, storage, seed, keep)
 
 
 def hyperparameters(

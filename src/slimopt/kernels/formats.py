@@ -19,7 +19,7 @@ from slimopt.codecs.blockwise import LOOKUP_MASK, LOOKUP_SHIFT, BlockwiseCodec
 from slimopt.codecs.draws import draw_indices, random_words, uniform_from_words
 from slimopt.codecs.factored import FactoredCodec
 from slimopt.codecs.plain import FLOAT32_MAX, Bf16Codec, Fp32Codec, round_to_bf16_with_stream
-from slimopt.codecs.ternary import EXPONENT_STEPS_PER_OCTAVE, TRITS_PER_BYTE, TernaryCodec
+from slimopt.codecs.ternary import EXPONENT_STEPS_PER_OCTAVE, TRITS_PER_BYTE, TernaryCodec, grid
 
 # Formats whose scales follow rows and columns: their moments are decoded as matrices.
 MATRIX_KINDS = ("ternary", "factored")
@@ -84,11 +84,11 @@ def decode(
         blocks = table[0][codes.int()].view(-1, storage.block_size) * parts["absmax"].unsqueeze(1)
         return blocks if shape == blocks_shape(parts, storage) else _unpad(blocks, shape.numel()).view(shape)
     rows, cols = shape
-    exponents = parts["exponents"]
-    codes = parts["codes"].view(-1).int()
-    digits = torch.stack([(codes // 3**k) % 3 for k in range(TRITS_PER_BYTE)], dim=1).reshape(-1)
-    signs = digits[: exponents.numel() * storage.block_size].float().sub(1).view(-1, storage.block_size)
-    values = _unpad(signs * _exponent_scale(exponents.float()).unsqueeze(1), rows * cols).view(rows, cols)
+    grid_rows, grid_cols = grid(rows, cols)
+    values = (_ternary_digits(parts["trits"], grid_rows, grid_cols) - 1) * _ternary_scales(
+        parts["exponents"], storage.block_size, grid_rows, grid_cols
+    )
+    values = values.view(rows, cols)
     if storage.row_scale:
         values = values * parts["row"].unsqueeze(1)
     if storage.col_scale:
@@ -162,55 +162,109 @@ def _encode_blockwise(
 def _encode_ternary(
     value: Tensor, parts: dict[str, Tensor], storage: Storage, seed: Tensor, keep: Tensor | None
 ) -> None:
-    scaled, _ = ternary_exponents(ternary_scales(value, parts, storage, keep), parts, storage, keep)
-    ternary_codes(scaled, parts, seed, keep)
+    ternary_scales(value, parts, storage, keep)
+    ternary_codes(value, ternary_exponents(value, parts, storage, keep), parts, storage, seed, keep)
 
 
-# Ternary encoding in three phases, each one pass that ends in a reduction of its own shape:
-# rows and columns, blocks, bytes of five digits. Compiled as one function Inductor fuses the
-# phases into loops that recompute across them (6.2 ms for a 1376×520 matrix on 2 CPU cores);
-# compiled one by one, 1.5 ms.
+# Ternary encoding in three phases, each one pass over the new moment that ends in a reduction of
+# its own shape: rows and columns, blocks, bytes of five digits. Compiled as one function
+# Inductor fuses the phases into loops that recompute across them (6.2 ms for a 1376×520 matrix
+# on 2 CPU cores); compiled one by one, 1.5 ms. Each phase divides the moment by the scales the
+# phases before it stored, as the codec does, rather than reading a divided copy: on the grid the
+# scales are vectors along a row, so this costs no more than reading a copy, and an update
+# allocates no matrix-sized temporaries beyond the moment itself (fresh pages from the
+# allocator cost as much as a pass over memory here).
 
 
-def ternary_scales(value: Tensor, parts: dict[str, Tensor], storage: Storage, keep: Tensor | None) -> Tensor:
-    """Phase 1: the row and column scales (written to ``parts``) and the matrix divided by them.
+def ternary_scales(value: Tensor, parts: dict[str, Tensor], storage: Storage, keep: Tensor | None) -> None:
+    """Phase 1: the row and column scales of the fp32 matrix ``value``, written to ``parts``.
     (``keep``, in every phase: as ``encode``'s.)"""
     normalized = value.clamp(-FLOAT32_MAX, FLOAT32_MAX)
     if storage.row_scale:
         row = normalized.abs().amax(dim=1)
-        normalized = normalized / torch.where(row > 0, row, 1.0).unsqueeze(1)
+        normalized = normalized / _nonzero(row).unsqueeze(1)
         store(parts["row"], row, keep)
     if storage.col_scale:
-        col = normalized.abs().amax(dim=0)
-        normalized = normalized / torch.where(col > 0, col, 1.0)
-        store(parts["col"], col, keep)
-    return normalized
+        store(parts["col"], normalized.abs().amax(dim=0), keep)
 
 
 def ternary_exponents(
-    normalized: Tensor, parts: dict[str, Tensor], storage: Storage, keep: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """Phase 2: each block's exponent (written to ``parts``) and the blocks divided by their
-    scales, flat, padded to whole blocks; then the scales, which the caller drops: returned so
-    that Inductor writes them out once per block, where it would otherwise compute both
-    ``exp2`` of each block once per element, in a scalar loop (3.0 instead of 3.7 ms for
-    4.2M elements)."""
-    blocks = _pad(normalized.reshape(-1), storage.block_size)
-    block_max = blocks.abs().amax(dim=1)
+    value: Tensor, parts: dict[str, Tensor], storage: Storage, keep: Tensor | None
+) -> Tensor:
+    """Phase 2: each block's exponent, written to ``parts``; returned, the blocks' scales (blocks ×
+    columns of the grid, ``slimopt.codecs.ternary.grid``) for phase 3, so that it reads them
+    rather than compute ``exp2`` for every element."""
+    normalized = _normalized(value, parts, storage)
+    grid_rows, grid_cols = grid(*normalized.shape)
+    padding = -grid_rows % storage.block_size
+    blocks = torch.nn.functional.pad(normalized.reshape(grid_rows, grid_cols), (0, 0, 0, padding))
+    block_max = blocks.view(-1, storage.block_size, grid_cols).abs().amax(dim=1)
     exponents = torch.ceil(-EXPONENT_STEPS_PER_OCTAVE * torch.log2(block_max)).clamp(0, 255)
     exponents = torch.where(_exponent_scale(exponents) < block_max, exponents - 1, exponents)
-    store(parts["exponents"], exponents.to(torch.uint8), keep)
-    scale = _exponent_scale(exponents)
-    return (blocks / scale.unsqueeze(1)).reshape(-1), scale
+    store(parts["exponents"], exponents.to(torch.uint8).view(-1), keep)
+    return _exponent_scale(exponents)
 
 
-def ternary_codes(scaled: Tensor, parts: dict[str, Tensor], seed: Tensor, keep: Tensor | None) -> None:
-    """Phase 3: the digits, stochastically rounded with draws of stream ``seed``, five to a byte."""
-    draws = uniform_from_words(random_words(seed, draw_indices(scaled.numel(), scaled.device)))
-    digits = torch.where(draws < scaled.abs(), scaled.sign(), 0.0).add(1).int()
-    digits = torch.nn.functional.pad(digits, (0, -digits.numel() % TRITS_PER_BYTE)).view(-1, TRITS_PER_BYTE)
+def ternary_codes(
+    value: Tensor,
+    scales: Tensor,
+    parts: dict[str, Tensor],
+    storage: Storage,
+    seed: Tensor,
+    keep: Tensor | None,
+) -> None:
+    """Phase 3: the digits of ``value`` divided by its row, column and block ``scales``,
+    stochastically rounded with draws of stream ``seed``, five grid rows to a byte row."""
+    grid_rows, grid_cols = grid(*value.shape)
+    blocks = scales.shape[0]
+    scales = scales.unsqueeze(1).expand(blocks, storage.block_size, grid_cols).reshape(-1, grid_cols)
+    scaled = _normalized(value, parts, storage).reshape(grid_rows, grid_cols) / scales[:grid_rows]
+    words = random_words(seed, draw_indices(scaled.numel(), scaled.device))
+    draws = uniform_from_words(words).view(grid_rows, grid_cols)
+    digits = torch.where(draws < scaled.abs(), scaled.sign(), 0.0).add(1)
+    padding = -grid_rows % TRITS_PER_BYTE
+    digits = torch.nn.functional.pad(digits, (0, 0, 0, padding)).view(-1, TRITS_PER_BYTE, grid_cols)
     packed = sum(digits[:, k] * 3**k for k in range(TRITS_PER_BYTE))
-    store(parts["codes"], packed.to(torch.uint8), keep)
+    store(parts["trits"], packed.to(torch.uint8).view(-1), keep)
+
+
+def _normalized(value: Tensor, parts: dict[str, Tensor], storage: Storage) -> Tensor:
+    """``value`` divided by the row and column scales in ``parts``, in the codec's order."""
+    normalized = value.clamp(-FLOAT32_MAX, FLOAT32_MAX)
+    if storage.row_scale:
+        normalized = normalized / _nonzero(parts["row"]).unsqueeze(1)
+    if storage.col_scale:
+        normalized = normalized / _nonzero(parts["col"])
+    return normalized
+
+
+def _nonzero(scale: Tensor) -> Tensor:
+    """``scale`` with zeros read as ones (an all-zero row or column stays zero)."""
+    return torch.where(scale > 0, scale, 1.0)
+
+
+def _ternary_digits(trits: Tensor, grid_rows: int, grid_cols: int) -> Tensor:
+    """The digits (0, 1, 2 as fp32) of a grid_rows × grid_cols grid: row r is digit r mod 5 of
+    byte row r // 5. Written as float arithmetic on each row's bytes, one vector per row, so
+    the update's loop decodes as it goes: the byte plus a half, times 3^-k, floored, is the
+    byte's leading digits exactly (a byte is below 243, so the half keeps the product at least
+    1/162 from an integer, far beyond fp32's rounding)."""
+    byte_rows = -(-grid_rows // TRITS_PER_BYTE)
+    trits = trits.view(byte_rows, grid_cols).float() + 0.5
+    trits = trits.unsqueeze(1).expand(byte_rows, TRITS_PER_BYTE, grid_cols).reshape(-1, grid_cols)[:grid_rows]
+    digit = (torch.arange(grid_rows, device=trits.device) % TRITS_PER_BYTE).unsqueeze(1)
+    inverse_power = torch.full_like(digit, 1.0, dtype=torch.float32)
+    for k in range(1, TRITS_PER_BYTE):
+        inverse_power = torch.where(digit == k, 3.0**-k, inverse_power)
+    leading = torch.floor(trits * inverse_power)
+    return leading - 3 * torch.floor((leading + 0.5) * (1 / 3))
+
+
+def _ternary_scales(exponents: Tensor, block_size: int, grid_rows: int, grid_cols: int) -> Tensor:
+    """Each element's block scale on the grid: row r takes block row r // block_size."""
+    scales = _exponent_scale(exponents.view(-1, grid_cols).float())
+    blocks = scales.shape[0]
+    return scales.unsqueeze(1).expand(blocks, block_size, grid_cols).reshape(-1, grid_cols)[:grid_rows]
 
 
 def _exponent_scale(exponents: Tensor) -> Tensor:
