@@ -7,6 +7,11 @@ Parameters are the projected matrices plus embedding, head and norms of a LLaMA 
 random gradients; times are medians after warm-up steps (torchao compiles on its first step).
 
     python -m benchmarks.state_storage [--model llama_60m] [--rank 128] [--device cpu] [--only TEXT ...]
+
+``--interleave`` builds the selected optimizers side by side and steps them in turn, one step
+each per round: every row then sees the same state of a shared machine, and the table adds each
+row's median time over the first row's (put torch's AdamW first) with the spread of that ratio
+over the rounds.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import argparse
 import gc
 import resource
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -77,10 +84,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", nargs="+", metavar="TEXT", help="only the rows whose name contains one")
+    parser.add_argument("--interleave", action="store_true", help="step the rows in turn (see above)")
     args = parser.parse_args()
     print(
         f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.model}\n"
     )
+    if args.interleave:
+        interleaved(args)
+        return
     print("| optimizer | state bytes/param | step seconds | minor page faults/step |")
     print("|---|---|---|---|")
     for name, make in candidates(args.rank).items():
@@ -100,6 +111,48 @@ def main() -> None:
         print(f"| {name} | {state_bytes(optimizer) / count:.3f} | {seconds:.3f} | {faults:.0f} |", flush=True)
         del model, optimizer
         gc.collect()
+
+
+def interleaved(args: argparse.Namespace) -> None:
+    """The selected rows built side by side and stepped in turn (``--interleave``)."""
+    rows = []
+    for name, make in candidates(args.rank).items():
+        if args.only and not any(text in name for text in args.only):
+            continue
+        torch.manual_seed(0)
+        model = _Params(*llama_parameters(args.model, args.device))
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+        optimizer = make(model)
+        optimizer.step()  # creates the state (and compiles)
+        optimizer.step()
+        rows.append((name, model, optimizer, [], []))
+    for _ in range(args.repeats):
+        for _, _, optimizer, seconds, faults in rows:
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start = time.perf_counter()
+            optimizer.step()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    first = rows[0][3]
+    print(
+        f"| optimizer | state bytes/param | step seconds | × {rows[0][0]} (rounds: min–max) "
+        "| minor page faults/step |"
+    )
+    print("|---|---|---|---|---|")
+    for name, model, optimizer, seconds, faults in rows:
+        count = sum(p.numel() for p in model.parameters())
+        ratios = [mine / theirs for mine, theirs in zip(seconds, first, strict=True)]
+        print(
+            f"| {name} | {state_bytes(optimizer) / count:.3f} | {statistics.median(seconds):.3f} | "
+            f"{statistics.median(seconds) / statistics.median(first):.2f} "
+            f"({min(ratios):.2f}–{max(ratios):.2f}) | {statistics.mean(faults):.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
