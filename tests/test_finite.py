@@ -11,6 +11,7 @@ import torch
 from torch.profiler import profile
 
 import slimopt
+from slimopt import kernels
 from slimopt.finite import Decisions, finite_flags, read
 
 pytestmark = pytest.mark.usefixtures("decisions_on_device")
@@ -148,3 +149,37 @@ def test_on_the_cpu_the_fused_path_reads_its_decision_before_the_step(monkeypatc
         optimizer.step()
     assert torch.equal(weight, before) and optimizer.state[weight]["step"] == 2
     assert masks == [None, None] and optimizer.fused_path == ["fused"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_small_tensors_updated_together_skip_one_by_one(dtype, monkeypatch) -> None:
+    """The biases and the norm share one compiled call per step (``kernels.adamw_steps``); an
+    inf gradient in one of them skips that tensor alone, as the reference path does."""
+    calls = []
+    together = kernels.adamw_steps
+    monkeypatch.setattr(kernels, "adamw_steps", lambda *args: calls.append(len(args[0])) or together(*args))
+
+    def run(fused: bool) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+        torch.manual_seed(0)
+        layers = (torch.nn.Linear(96, 80), torch.nn.LayerNorm(80), torch.nn.Linear(80, 72))
+        model = torch.nn.Sequential(*layers).to(dtype)
+        optimizer = slimopt.build_optimizer(model, "adamw8bit", lr=1e-2, fused=fused)
+        generator = torch.Generator().manual_seed(1)
+        for step in range(4):
+            for param in model.parameters():
+                param.grad = torch.randn(param.shape, generator=generator).to(dtype)
+            if step == 1:
+                model[1].weight.grad[5] = float("inf")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                optimizer.step()
+        state = optimizer.state_dict()
+        counts = [(s["step"], s["nonfinite_skips"]) for s in state["state"].values()]
+        return [p.detach().float().clone() for p in model.parameters()], counts
+
+    reference, reference_counts = run(False)
+    fused, counts = run(True)
+    assert calls == [4] * 4  # three biases and the norm's weight, every step
+    assert counts == reference_counts and sum(skips for _, skips in counts) == 1
+    for ours, theirs in zip(fused, reference, strict=True):
+        assert ((ours - theirs).norm() / theirs.norm()).item() < (1e-5 if dtype == torch.float32 else 1e-4)

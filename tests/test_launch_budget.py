@@ -13,6 +13,9 @@
   2, ternary: 1); a ternary moment is encoded in three more compiled regions (row and column
   scales, block exponents, digits: ``slimopt.kernels.formats``), each a pass that Inductor
   would otherwise fuse with the next into slower loops.
+- Tensors under 4096 elements (norms, biases: fp32 moments in every storage format) share one
+  compiled region per step, not one each, plus 1 to stack their step sizes
+  (``slimopt.kernels.adamw_steps``).
 - Per tensor, 1 per finiteness vote (its minimum and maximum: ``slimopt.finite``; on CUDA one
   multi-tensor norm serves all tensors instead): a projected matrix votes on its gradient and
   on the projected gradient.
@@ -107,3 +110,16 @@ def test_fused_step_stays_within_its_launch_budget(kinds, rule, states) -> None:
     assert sum(counted.values()) <= budget, dict(counted)
     compiled = sum(count for name, count in counted.items() if name.startswith("Torch-Compiled Region"))
     assert compiled == COUNT * len(kinds) * (1 + PHASES[states])
+
+
+def test_small_tensors_share_one_compiled_region() -> None:
+    """Norms and biases take one compiled region between them, where each took its own: a
+    compiled call costs about 100 µs of dynamo, more than updating a few thousand elements."""
+    small = [torch.nn.Parameter(torch.randn(512)) for _ in range(COUNT)]
+    params = [*small, torch.nn.Parameter(torch.randn(512, 256))]
+    counted = _operations_per_step([{"params": params}], "int8")
+    compiled = sum(count for name, count in counted.items() if name.startswith("Torch-Compiled Region"))
+    assert compiled == 2, dict(counted)  # the small tensors together, the matrix on its own
+    stacked_step_sizes = 1
+    budget = len(params) * VOTES["unprojected"] + compiled + stacked_step_sizes + PER_VOTE + PER_STEP
+    assert sum(counted.values()) <= budget, dict(counted)

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from slimopt import kernels, loading
-from slimopt.codecs import STATE_FORMATS, moment_codec, state_key
+from slimopt.codecs import MIN_COMPRESSED_NUMEL, STATE_FORMATS, moment_codec, state_key
 from slimopt.codecs.draws import stream_seed
 from slimopt.codecs.plain import round_to_bf16_stochastically
 from slimopt.codecs.rows import RowSlicedStorage, matrix_shape, row_sliced_storage, sliced, slices_to_update
@@ -326,7 +326,8 @@ class GaLoreOptimizer(Optimizer):
         for i, second in zip(projected, _both(decisions, projected, again), strict=True):
             decisions[i] = second
         with kernels.compile_settings():
-            for (param, group, grad, basis, _), finite in zip(ready, decisions, strict=True):
+            updates = list(zip(ready, decisions, strict=True))
+            for (param, group, grad, basis, _), finite in self._apply_small_together(updates):
                 self.apply_update(param, group, grad, basis, finite=finite)
         self._decisions.close_step()
         if self._decisions.on_host():
@@ -567,19 +568,7 @@ class GaLoreOptimizer(Optimizer):
         if self._by_row_slices(param, group):
             self._apply_by_row_slices(param, group, grad, keep)
             return
-        # Contiguous, so that moments created like it and the direction have a 2-D view.
-        grad = grad.float().contiguous()
-        layout = self._layout(param, grad.shape)
-        generator = self._rounding_generator(param, state, group, layout)
-        if "moment_step" not in state:
-            rule = self.rule_of(group)
-            for key, value in rule.init_state(grad, group, projected=basis is not None).items():
-                if key in rule.moment_kinds:
-                    self._encode(state, key, value, group, generator, layout)
-                else:
-                    state[key] = value
-            state["moment_step"] = 0
-        age = self._advance(state)
+        grad, layout, generator, age = self._begin(param, group, state, grad, basis)
         if self._fused(param, group) and self._fused_update(
             param, group, state, grad, basis, layout, age, generator, keep
         ):
@@ -605,6 +594,90 @@ class GaLoreOptimizer(Optimizer):
                 _update_weights_projected(
                     weights, direction, basis, rows, lr, group["scale"], decay, rounding
                 )
+
+    def _begin(
+        self, param: Tensor, group: dict[str, Any], state: dict[str, Any], grad: Tensor, basis: Basis | None
+    ) -> tuple[Tensor, torch.Size, torch.Generator | None, int]:
+        """An update's start: the fp32 gradient, contiguous so that moments created like it and
+        the direction have a 2-D view; the moments' layout; the rounding generator; the
+        moments' age, counted (the moments created on the first update)."""
+        grad = grad.float().contiguous()
+        layout = self._layout(param, grad.shape)
+        generator = self._rounding_generator(param, state, group, layout)
+        if "moment_step" not in state:
+            rule = self.rule_of(group)
+            for key, value in rule.init_state(grad, group, projected=basis is not None).items():
+                if key in rule.moment_kinds:
+                    self._encode(state, key, value, group, generator, layout)
+                else:
+                    state[key] = value
+            state["moment_step"] = 0
+        return grad, layout, generator, self._advance(state)
+
+    def _apply_small_together(
+        self, updates: list[tuple[tuple[Any, ...], bool | Tensor]]
+    ) -> list[tuple[tuple[Any, ...], bool | Tensor]]:
+        """Update the small tensors among ``updates`` ((parameter, group, gradient, basis, _),
+        decision) that ``_together`` admits in one compiled call per device; return the
+        others (all of them where the call did not compile in auto mode), in their order."""
+        batches: dict[torch.device, list[tuple[tuple[Any, ...], bool | Tensor]]] = {}
+        rest = []
+        for update in updates:
+            (param, group, _, basis, _), finite = update
+            decided = finite is True or (isinstance(finite, Tensor) and self._decides_on_device(param, group))
+            if decided and self._together(param, group, basis):
+                batches.setdefault(param.device, []).append(update)
+            else:
+                rest.append(update)
+        for batch in batches.values():
+            if len(batch) < 2 or not self._update_together(batch):
+                rest += batch
+        return rest
+
+    def _together(self, param: Tensor, group: dict[str, Any], basis: Basis | None) -> bool:
+        """Whether ``param`` joins the grouped fused step (``kernels.adamw_steps``): unprojected,
+        under ``MIN_COMPRESSED_NUMEL`` elements (so its moments are fp32 in every storage
+        format), AdamW on the fused path, weights rounded to nearest, on a device where one
+        tensor's fused step is a compiled call (the hand-written Triton kernel has none to
+        save)."""
+        if basis is not None or param.numel() >= MIN_COMPRESSED_NUMEL or param.is_complex():
+            return False
+        if not isinstance(self.rule_of(group), AdamWRule) or not self._fused(param, group):
+            return False
+        if _rounds_stochastically(param, group) or not _values(param).is_contiguous():
+            return False
+        fp32 = (kernels.Storage(), kernels.Storage())
+        return param.device.type not in kernels.TRITON_DEVICE_TYPES or not kernels.triton_handles(fp32)
+
+    def _update_together(self, batch: list[tuple[tuple[Any, ...], bool | Tensor]]) -> bool:
+        """``apply_update``'s work for every entry of ``batch`` in one ``kernels.adamw_steps``
+        call; False (nothing changed) when auto mode could not compile it."""
+        grads, moments, hypers, weights, keeps = [], [], [], [], []
+        for (param, group, grad, _, _), finite in batch:
+            state = self.state_of(param)
+            grad, layout, _, age = self._begin(param, group, state, grad, None)
+            values = _values(param)
+            lr = self.rule_of(group).step_size(group, values, state["step"])
+            betas, eps, decay = group["betas"], group["eps"], group["weight_decay"]
+            hypers.append(kernels.hyperparameters(lr, betas, eps, decay, age, 1.0, grad.device))
+            stored = self._stored_moments(state, group, layout, grad.device)
+            moments.append(tuple(parts for parts, _, _ in stored.values()))
+            grads.append(grad)
+            weights.append(values)
+            keeps.append(finite if isinstance(finite, Tensor) else None)
+        try:
+            kernels.adamw_steps(grads, moments, torch.stack(hypers), weights, keeps)
+        except kernels.compile_failures() as error:
+            self._compile_failed(error, [group for (_, group, _, _, _), _ in batch])
+            for (param, _, _, _, _), _ in batch:
+                state = self.state_of(param)
+                state["step"] -= 1
+                state["moment_step"] -= 1
+            return False
+        for ((param, _, _, _, _), _), keep in zip(batch, keeps, strict=True):
+            if keep is not None:
+                self._decisions.record(param, keep)
+        return True
 
     def _fused_update(
         self,
@@ -684,19 +757,25 @@ class GaLoreOptimizer(Optimizer):
         try:
             return kernels.fused_step(rule, group, grad, moments, factored, age, step, weights, seeds, keep)
         except kernels.compile_failures() as error:
-            if group["fused"] is True:
-                raise
-            # Auto mode promised only the fastest exact path: the reference path is one.
-            cause = getattr(error, "inner_exception", error)
-            reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-            kernels.give_up_auto(reason)
-            warnings.warn(
-                f"slimopt: the fused step did not compile ({reason}); fused=None uses the reference path "
-                "from now on",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+            self._compile_failed(error, [group])
             return NOT_COMPILED
+
+    @staticmethod
+    def _compile_failed(error: Exception, groups: list[dict[str, Any]]) -> None:
+        """After a fused step failed to compile: raise ``error`` where a group asked for
+        ``fused=True``; else warn and take the reference path from now on (auto mode promised
+        only the fastest exact path, and the reference path is one)."""
+        if any(group["fused"] is True for group in groups):
+            raise error
+        cause = getattr(error, "inner_exception", error)
+        reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        kernels.give_up_auto(reason)
+        warnings.warn(
+            f"slimopt: the fused step did not compile ({reason}); fused=None uses the reference path "
+            "from now on",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
     def _by_row_slices(self, param: Tensor, group: dict[str, Any], shape: torch.Size | None = None) -> bool:
         """Whether an update of ``param`` (and its moments' storage) goes by slices of rows;

@@ -13,9 +13,10 @@ fp32 or bf16 parameters rounded to nearest or stochastically. On CUDA, AdamW mom
 elementwise (fp32, bf16, 8- and 4-bit blocks) take the hand-written Triton kernel of
 ``triton_adamw`` instead: one launch per tensor, no compilation per shape. Stochastic roundings
 draw from counter-based streams (``slimopt.codecs.draws``) seeded as the reference path seeds
-them, so they draw the same numbers. Not covered (``unsupported`` says why): TACO's rule,
-complex parameters, tensors with more than two dimensions under ternary states or Adafactor
-(their factored statistics are over the last two).
+them, so they draw the same numbers. Small AdamW tensors (norms, biases) whose own step would
+be a compiled call are updated together, in one compiled call for all (``adamw_steps``). Not
+covered (``unsupported`` says why): TACO's rule, complex parameters, tensors with more than two
+dimensions under ternary states or Adafactor (their factored statistics are over the last two).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "Storage",
     "adafactor_step",
     "adamw_step",
+    "adamw_steps",
     "compile_settings",
     "fused_step",
     "hyperparameters",
@@ -230,6 +232,24 @@ def adamw_step(
     return None if direction is None else direction.view(matrix)
 
 
+def adamw_steps(
+    grads: list[Tensor],
+    moments: list[Moments],
+    hypers: Tensor,
+    weights: list[Tensor],
+    keeps: list[Tensor | None],
+) -> None:
+    """One AdamW step of each of several tensors with fp32 moments, in one compiled call: what
+    ``adamw_step`` does for grad ``i`` (contiguous), its two moments' parts and its ``weights``
+    (contiguous, fp32 or bf16 rounded to nearest), with row ``i`` of ``hypers`` (stacked
+    ``hyperparameters``) and ``keeps[i]``. A compiled call costs about 100 µs of dynamo's
+    guards and wrappers, more than updating a norm's few thousand elements: grouped, a
+    model's norms and biases pay it once. Shapes are constants: one compilation per set of
+    tensors, which a model keeps from step to step."""
+    with compile_settings():
+        _compiled(_adamw_steps)(grads, moments, hypers, weights, keeps)
+
+
 def adafactor_step(
     grad: Tensor,
     moments: dict[str, Moment],
@@ -365,6 +385,19 @@ def _mark_dynamic(*tensors: Tensor | None) -> None:
             for dim, size in enumerate(tensor.shape):
                 if size > 1 and dim not in marked:
                     torch._dynamo.mark_dynamic(tensor, dim)
+
+
+def _adamw_steps(
+    grads: list[Tensor],
+    moments: list[Moments],
+    hypers: Tensor,
+    weights: list[Tensor],
+    keeps: list[Tensor | None],
+) -> None:
+    """``adamw_steps``' compiled part."""
+    storages = (Storage(), Storage())
+    for index, (grad, pair, target, keep) in enumerate(zip(grads, moments, weights, keeps, strict=True)):
+        _adamw_step(grad.view(-1), pair, storages, ((), ()), hypers[index], target.view(-1), (), keep)
 
 
 def _adamw_step(
