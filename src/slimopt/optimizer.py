@@ -619,7 +619,7 @@ class GaLoreOptimizer(Optimizer):
     ) -> list[tuple[tuple[Any, ...], bool | Tensor]]:
         """Update the small tensors among ``updates`` ((parameter, group, gradient, basis, _),
         decision) that ``_together`` admits in one compiled call per device; return the
-        others (all of them where the call did not compile in auto mode), in their order."""
+        others, in their order."""
         batches: dict[torch.device, list[tuple[tuple[Any, ...], bool | Tensor]]] = {}
         rest = []
         for update in updates:
@@ -630,8 +630,10 @@ class GaLoreOptimizer(Optimizer):
             else:
                 rest.append(update)
         for batch in batches.values():
-            if len(batch) < 2 or not self._update_together(batch):
+            if len(batch) < 2:
                 rest += batch
+            else:
+                self._update_together(batch)
         return rest
 
     def _together(self, param: Tensor, group: dict[str, Any], basis: Basis | None) -> bool:
@@ -649,9 +651,10 @@ class GaLoreOptimizer(Optimizer):
         fp32 = (kernels.Storage(), kernels.Storage())
         return param.device.type not in kernels.TRITON_DEVICE_TYPES or not kernels.triton_handles(fp32)
 
-    def _update_together(self, batch: list[tuple[tuple[Any, ...], bool | Tensor]]) -> bool:
+    def _update_together(self, batch: list[tuple[tuple[Any, ...], bool | Tensor]]) -> None:
         """``apply_update``'s work for every entry of ``batch`` in one ``kernels.adamw_steps``
-        call; False (nothing changed) when auto mode could not compile it."""
+        call. (Only ``fused=True`` gets here: auto mode fuses on CUDA, where these tensors take
+        the Triton kernel; so a compile failure raises, as it does for one tensor.)"""
         grads, moments, hypers, weights, keeps = [], [], [], [], []
         for (param, group, grad, _, _), finite in batch:
             state = self.state_of(param)
@@ -665,19 +668,10 @@ class GaLoreOptimizer(Optimizer):
             grads.append(grad)
             weights.append(values)
             keeps.append(finite if isinstance(finite, Tensor) else None)
-        try:
-            kernels.adamw_steps(grads, moments, torch.stack(hypers), weights, keeps)
-        except kernels.compile_failures() as error:
-            self._compile_failed(error, [group for (_, group, _, _, _), _ in batch])
-            for (param, _, _, _, _), _ in batch:
-                state = self.state_of(param)
-                state["step"] -= 1
-                state["moment_step"] -= 1
-            return False
+        kernels.adamw_steps(grads, moments, torch.stack(hypers), weights, keeps)
         for ((param, _, _, _, _), _), keep in zip(batch, keeps, strict=True):
             if keep is not None:
                 self._decisions.record(param, keep)
-        return True
 
     def _fused_update(
         self,
@@ -757,25 +751,19 @@ class GaLoreOptimizer(Optimizer):
         try:
             return kernels.fused_step(rule, group, grad, moments, factored, age, step, weights, seeds, keep)
         except kernels.compile_failures() as error:
-            self._compile_failed(error, [group])
+            if group["fused"] is True:
+                raise
+            # Auto mode promised only the fastest exact path: the reference path is one.
+            cause = getattr(error, "inner_exception", error)
+            reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+            kernels.give_up_auto(reason)
+            warnings.warn(
+                f"slimopt: the fused step did not compile ({reason}); fused=None uses the reference path "
+                "from now on",
+                RuntimeWarning,
+                stacklevel=4,
+            )
             return NOT_COMPILED
-
-    @staticmethod
-    def _compile_failed(error: Exception, groups: list[dict[str, Any]]) -> None:
-        """After a fused step failed to compile: raise ``error`` where a group asked for
-        ``fused=True``; else warn and take the reference path from now on (auto mode promised
-        only the fastest exact path, and the reference path is one)."""
-        if any(group["fused"] is True for group in groups):
-            raise error
-        cause = getattr(error, "inner_exception", error)
-        reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-        kernels.give_up_auto(reason)
-        warnings.warn(
-            f"slimopt: the fused step did not compile ({reason}); fused=None uses the reference path "
-            "from now on",
-            RuntimeWarning,
-            stacklevel=5,
-        )
 
     def _by_row_slices(self, param: Tensor, group: dict[str, Any], shape: torch.Size | None = None) -> bool:
         """Whether an update of ``param`` (and its moments' storage) goes by slices of rows;

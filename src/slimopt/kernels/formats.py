@@ -216,9 +216,8 @@ def ternary_codes(
     """Phase 3: the digits of ``value`` divided by its row, column and block ``scales``,
     stochastically rounded with draws of stream ``seed``, five grid rows to a byte row."""
     grid_rows, grid_cols = grid(*value.shape)
-    blocks = scales.shape[0]
-    scales = scales.unsqueeze(1).expand(blocks, storage.block_size, grid_cols).reshape(-1, grid_cols)
-    scaled = _normalized(value, parts, storage).reshape(grid_rows, grid_cols) / scales[:grid_rows]
+    scales = _by_grid_row(scales, storage.block_size, grid_rows)
+    scaled = _normalized(value, parts, storage).reshape(grid_rows, grid_cols) / scales
     words = random_words(seed, draw_indices(scaled.numel(), scaled.device))
     draws = uniform_from_words(words).view(grid_rows, grid_cols)
     digits = torch.where(draws < scaled.abs(), scaled.sign(), 0.0).add(1)
@@ -261,10 +260,14 @@ def _ternary_digits(trits: Tensor, grid_rows: int, grid_cols: int) -> Tensor:
 
 
 def _ternary_scales(exponents: Tensor, block_size: int, grid_rows: int, grid_cols: int) -> Tensor:
-    """Each element's block scale on the grid: row r takes block row r // block_size."""
-    scales = _exponent_scale(exponents.view(-1, grid_cols).float())
-    blocks = scales.shape[0]
-    return scales.unsqueeze(1).expand(blocks, block_size, grid_cols).reshape(-1, grid_cols)[:grid_rows]
+    """Each element's block scale on the grid."""
+    return _by_grid_row(_exponent_scale(exponents.view(-1, grid_cols).float()), block_size, grid_rows)
+
+
+def _by_grid_row(per_block: Tensor, block_size: int, grid_rows: int) -> Tensor:
+    """A (blocks, columns) tensor on the grid's rows: row r takes block row r // block_size."""
+    blocks, grid_cols = per_block.shape
+    return per_block.unsqueeze(1).expand(blocks, block_size, grid_cols).reshape(-1, grid_cols)[:grid_rows]
 
 
 def _exponent_scale(exponents: Tensor) -> Tensor:
