@@ -660,9 +660,8 @@ class GaLoreOptimizer(Optimizer):
             state = self.state_of(param)
             grad, layout, _, age = self._begin(param, group, state, grad, None)
             values = _values(param)
-            lr = self.rule_of(group).step_size(group, values, state["step"])
-            betas, eps, decay = group["betas"], group["eps"], group["weight_decay"]
-            hypers.append(kernels.hyperparameters(lr, betas, eps, decay, age, 1.0, grad.device))
+            rule, step = self.rule_of(group), state["step"]
+            hypers.append(kernels.adamw_hyperparameters(rule, group, values, step, age, grad.device))
             stored = self._stored_moments(state, group, layout, grad.device)
             moments.append(tuple(parts for parts, _, _ in stored.values()))
             grads.append(grad)

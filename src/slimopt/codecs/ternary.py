@@ -56,7 +56,8 @@ def _tables(device: torch.device) -> tuple[Tensor, Tensor]:
     return _POWERS_OF_THREE.to(device), _DIGITS.to(device)
 
 
-def _safe(scale: Tensor) -> Tensor:
+def nonzero_scale(scale: Tensor) -> Tensor:
+    """``scale`` with zeros read as ones (an all-zero row or column stays zero)."""
     return torch.where(scale > 0, scale, 1.0)
 
 
@@ -101,10 +102,10 @@ class TernaryCodec:
         normalized = value.float().reshape(rows, cols).clamp(-FLOAT32_MAX, FLOAT32_MAX)
         if self.row_scale:
             stored["row"] = normalized.abs().amax(dim=1)
-            normalized.div_(_safe(stored["row"]).unsqueeze(1))
+            normalized.div_(nonzero_scale(stored["row"]).unsqueeze(1))
         if self.col_scale:
             stored["col"] = normalized.abs().amax(dim=0)
-            normalized.div_(_safe(stored["col"]))
+            normalized.div_(nonzero_scale(stored["col"]))
         grid_rows, grid_cols = grid(rows, cols)
         blocks = _pad_rows(normalized.view(grid_rows, grid_cols), self.block_size)
         blocks = blocks.view(-1, self.block_size, grid_cols)

@@ -41,6 +41,7 @@ __all__ = [
     "FUSED_CHOICES",
     "Storage",
     "adafactor_step",
+    "adamw_hyperparameters",
     "adamw_step",
     "adamw_steps",
     "compile_settings",
@@ -174,11 +175,20 @@ def fused_step(
         # The weights' RMS of ``scale_parameter`` is taken inside the compiled step.
         hyper = adafactor.hyperparameters(age, rule.unscaled_step_size(group, step), group, device)
         return adafactor_step(grad, moments, factored, hyper, group["scale_parameter"], weights, seeds, keep)
-    lr = rule.step_size(group, weights, step)
-    scale = 1.0 if weights is not None else group["scale"]
-    hyper = hyperparameters(lr, group["betas"], group["eps"], group["weight_decay"], age, scale, device)
+    hyper = adamw_hyperparameters(rule, group, weights, step, age, device)
     parts, storages, tables = zip(*moments.values(), strict=True)
     return adamw_step(grad, parts, storages, tables, hyper, weights, seeds, keep)
+
+
+def adamw_hyperparameters(
+    rule: Any, group: dict[str, Any], weights: Tensor | None, step: int, age: int, device: Any
+) -> Tensor:
+    """``hyperparameters`` of one AdamW step of ``group``: the step size of the parameter's step
+    ``step``, moments of age ``age``; without ``weights`` (a projected matrix's direction),
+    scaled by the group's ``scale``."""
+    lr = rule.step_size(group, weights, step)
+    scale = 1.0 if weights is not None else group["scale"]
+    return hyperparameters(lr, group["betas"], group["eps"], group["weight_decay"], age, scale, device)
 
 
 # Both moments' stored parts by name, their storages, and their lookup tables (empty but for blocks).

@@ -19,7 +19,13 @@ from slimopt.codecs.blockwise import LOOKUP_MASK, LOOKUP_SHIFT, BlockwiseCodec
 from slimopt.codecs.draws import draw_indices, random_words, uniform_from_words
 from slimopt.codecs.factored import FactoredCodec
 from slimopt.codecs.plain import FLOAT32_MAX, Bf16Codec, Fp32Codec, round_to_bf16_with_stream
-from slimopt.codecs.ternary import EXPONENT_STEPS_PER_OCTAVE, TRITS_PER_BYTE, TernaryCodec, grid
+from slimopt.codecs.ternary import (
+    EXPONENT_STEPS_PER_OCTAVE,
+    TRITS_PER_BYTE,
+    TernaryCodec,
+    grid,
+    nonzero_scale,
+)
 
 # Formats whose scales follow rows and columns: their moments are decoded as matrices.
 MATRIX_KINDS = ("ternary", "factored")
@@ -182,7 +188,7 @@ def ternary_scales(value: Tensor, parts: dict[str, Tensor], storage: Storage, ke
     normalized = value.clamp(-FLOAT32_MAX, FLOAT32_MAX)
     if storage.row_scale:
         row = normalized.abs().amax(dim=1)
-        normalized = normalized / _nonzero(row).unsqueeze(1)
+        normalized = normalized / nonzero_scale(row).unsqueeze(1)
         store(parts["row"], row, keep)
     if storage.col_scale:
         store(parts["col"], normalized.abs().amax(dim=0), keep)
@@ -231,15 +237,10 @@ def _normalized(value: Tensor, parts: dict[str, Tensor], storage: Storage) -> Te
     """``value`` divided by the row and column scales in ``parts``, in the codec's order."""
     normalized = value.clamp(-FLOAT32_MAX, FLOAT32_MAX)
     if storage.row_scale:
-        normalized = normalized / _nonzero(parts["row"]).unsqueeze(1)
+        normalized = normalized / nonzero_scale(parts["row"]).unsqueeze(1)
     if storage.col_scale:
-        normalized = normalized / _nonzero(parts["col"])
+        normalized = normalized / nonzero_scale(parts["col"])
     return normalized
-
-
-def _nonzero(scale: Tensor) -> Tensor:
-    """``scale`` with zeros read as ones (an all-zero row or column stays zero)."""
-    return torch.where(scale > 0, scale, 1.0)
 
 
 def _ternary_digits(trits: Tensor, grid_rows: int, grid_cols: int) -> Tensor:
