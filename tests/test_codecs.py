@@ -94,13 +94,17 @@ def test_blockwise_round_trip_is_within_half_a_map_gap(name, states, kind, code_
 def test_table_lookup_gives_the_nearest_code_as_bucketize_does(states, kind, code_map) -> None:
     """Codes come from a lookup table by the top bits of each value; the reference is a binary
     search (``torch.bucketize``) over the midpoints, on random values, on every midpoint and
-    its two fp32 neighbours (where a search is decided), and on ±0."""
+    its two fp32 neighbours (where a search is decided), on both ends of every bucket of the
+    table (the fp32 numbers whose 15 low bits are all 0 or all 1, denormals included) and on ±0."""
     midpoints = (code_map[1:] + code_map[:-1]) / 2
     neighbours = [midpoints.nextafter(midpoints + 1), midpoints, midpoints.nextafter(midpoints - 1)]
+    starts = torch.arange(2**17, dtype=torch.int64) << 15
+    ends = torch.cat([starts, starts | (2**15 - 1)]).to(torch.int32).view(torch.float32)
+    ends = ends[ends.abs() <= 1]
     generator = torch.Generator().manual_seed(0)
     spread = torch.rand(2**20, generator=generator) * 2 - 1
     spread = spread * torch.rand(2**20, generator=generator) ** 8  # many values near zero
-    values = torch.cat([*neighbours, spread, torch.tensor([0.0, -0.0])]).clamp(-1, 1)
+    values = torch.cat([*neighbours, ends, spread, torch.tensor([0.0, -0.0])]).clamp(-1, 1)
     if kind == "square":
         values = values.abs()
     block = 128

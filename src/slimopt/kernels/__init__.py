@@ -66,6 +66,11 @@ COMPILE_SETTINGS = {
     "automatic_dynamic_shapes": False,
     "assume_static_by_default": True,
 }
+# Inductor's options for the compiled steps. Every table index in them is in range by
+# construction (an 8-bit code into a map of 256 values, a 4-bit one into 16, a 17-bit bucket
+# into a table of 2**17 entries), so the bounds check Inductor puts before each lookup only
+# costs time: 7% of an int8 step of an 8192×512 matrix on the CPU.
+INDUCTOR_OPTIONS = {"assert_indirect_indexing": False}
 
 
 # Devices whose fused step for elementwise storage is the hand-written Triton kernel
@@ -213,8 +218,8 @@ def adamw_step(
     projected matrix projects it back itself).
 
     ``hyper`` is ``hyperparameters(...)``: values that change every step are data, not
-    constants, so the compiled step is built once. ``tables`` are each blockwise moment's map,
-    midpoints and first codes. ``seeds`` are the streams (``slimopt.codecs.draws``) of the
+    constants, so the compiled step is built once. ``tables`` are each blockwise moment's map
+    and nearest-code table. ``seeds`` are the streams (``slimopt.codecs.draws``) of the
     stochastic roundings, in the reference path's order: each stochastic moment's, then the
     weights' when there is one more (bf16 weights rounded stochastically).
 
@@ -363,7 +368,7 @@ def _compiled(function: Callable[..., Any]) -> Callable[..., Any]:
 
 @functools.cache
 def _compile(function: Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(function)
+    return torch.compile(function, options=INDUCTOR_OPTIONS)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slimopt.codecs.blockwise import LOOKUP_MASK, LOOKUP_SHIFT, BlockwiseCodec
+from slimopt.codecs.blockwise import BlockwiseCodec, nearest_codes
 from slimopt.codecs.draws import draw_indices, random_words, uniform_from_words
 from slimopt.codecs.factored import FactoredCodec
 from slimopt.codecs.plain import FLOAT32_MAX, Bf16Codec, Fp32Codec, round_to_bf16_with_stream
@@ -34,14 +34,12 @@ MATRIX_KINDS = ("ternary", "factored")
 @dataclass(frozen=True)
 class Storage:
     """How one moment is stored, as the compiled step needs to know it (lookup tables are passed
-    as tensors): the format, and for blocks their size, code width and zero handling, for
-    ternary storage which scale vectors it keeps."""
+    as tensors): the format, and for blocks their size and code width, for ternary storage
+    which scale vectors it keeps."""
 
     kind: str = "fp32"  # fp32, bf16, blockwise, ternary or factored
     block_size: int = 0
     bits: int = 8
-    positive_floor: bool = False
-    zero_code: int = 0
     row_scale: bool = False
     col_scale: bool = False
 
@@ -62,7 +60,7 @@ def storage_of(codec: Any) -> Storage | None:
     if isinstance(codec, Bf16Codec):
         return Storage("bf16")
     if isinstance(codec, BlockwiseCodec):
-        return Storage("blockwise", codec.block_size, codec.bits, codec.positive_floor, codec.zero_code)
+        return Storage("blockwise", codec.block_size, codec.bits)
     if isinstance(codec, TernaryCodec):
         return Storage("ternary", codec.block_size, row_scale=codec.row_scale, col_scale=codec.col_scale)
     if isinstance(codec, FactoredCodec):
@@ -151,14 +149,9 @@ def round_to_bf16(value: Tensor, seed: Tensor | None) -> Tensor:
 def _encode_blockwise(
     blocks: Tensor, parts: dict[str, Tensor], storage: Storage, table: tuple[Tensor, ...], keep: Tensor | None
 ) -> None:
-    _, midpoints, first_codes = table
     absmax = blocks.abs().amax(dim=1).clamp(max=FLOAT32_MAX)
     normalized = (blocks / torch.where(absmax > 0, absmax, 1.0).unsqueeze(1)).reshape(-1)
-    bucket = normalized.view(torch.int32).bitwise_right_shift(LOOKUP_SHIFT).bitwise_and(LOOKUP_MASK)
-    codes = first_codes[bucket].int()
-    codes = codes + (normalized > midpoints[codes]).int()
-    if storage.positive_floor:
-        codes = torch.where((normalized > 0) & (codes == storage.zero_code), storage.zero_code + 1, codes)
+    codes = nearest_codes(normalized, table[1])
     if storage.bits == 4:
         codes = codes[0::2] | (codes[1::2] << 4)
     store(parts["codes"].view(-1), codes.to(torch.uint8), keep)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from slimopt.codecs.blockwise import LOOKUP_MASK, LOOKUP_SHIFT
+from slimopt.codecs.blockwise import KEY_BITS, KEY_MASK, LOOKUP_MASK, LOOKUP_SHIFT, THRESHOLD_MASK
 from slimopt.codecs.draws import MULTIPLIERS
 from slimopt.codecs.plain import FLOAT32_MAX
 from slimopt.kernels.formats import Storage
@@ -38,6 +38,9 @@ DIRECTION_, WEIGHTS_FP32_, WEIGHTS_BF16_ = (tl.constexpr(m) for m in (DIRECTION,
 MULTIPLIERS_0, MULTIPLIERS_1 = (tl.constexpr(multiplier) for multiplier in MULTIPLIERS)
 LOOKUP_SHIFT_ = tl.constexpr(LOOKUP_SHIFT)
 LOOKUP_MASK_ = tl.constexpr(LOOKUP_MASK)
+KEY_MASK_ = tl.constexpr(KEY_MASK)
+KEY_BITS_ = tl.constexpr(KEY_BITS)
+THRESHOLD_MASK_ = tl.constexpr(THRESHOLD_MASK)
 FLOAT32_MAX_ = tl.constexpr(FLOAT32_MAX)
 
 
@@ -67,7 +70,7 @@ def adamw_step(
         if storage.kind == "blockwise":
             args += [parts["codes"], parts["absmax"], *table, seed]
         else:
-            args += [parts[""], hyper, hyper, hyper, hyper, seed]
+            args += [parts[""], hyper, hyper, hyper, seed]
     if weights is None:
         target, mode, weight_seed = direction, DIRECTION, hyper
     elif weights.dtype.is_floating_point and weights.element_size() == 4:
@@ -86,11 +89,7 @@ def adamw_step(
         numel,
         *args,
         M_KIND=kinds[0],
-        M_FLOOR=storages[0].positive_floor,
-        M_ZERO=storages[0].zero_code,
         V_KIND=kinds[1],
-        V_FLOOR=storages[1].positive_floor,
-        V_ZERO=storages[1].zero_code,
         MODE=mode,
         MASKED=keep is not None,
         HALF=block // 2,
@@ -152,14 +151,12 @@ def _decode(values, absmax, table, index, pair, mask, program, KIND: tl.constexp
 
 
 @triton.jit
-def _nearest_codes(normalized, midpoints, first_codes, FLOOR: tl.constexpr, ZERO: tl.constexpr):
-    """``BlockwiseCodec``'s lookup: the bucket's first code, then one midpoint comparison."""
-    bucket = (normalized.to(tl.int32, bitcast=True) >> LOOKUP_SHIFT_) & LOOKUP_MASK_
-    code = tl.load(first_codes + bucket).to(tl.int32)
-    code += (normalized > tl.load(midpoints + code)).to(tl.int32)
-    if FLOOR:
-        code = tl.where((normalized > 0) & (code == ZERO), ZERO + 1, code)
-    return code
+def _nearest_codes(normalized, nearest):
+    """``slimopt.codecs.blockwise.nearest_codes``: the bucket's entry, then its key compared."""
+    bits = normalized.to(tl.int32, bitcast=True)
+    entry = tl.load(nearest + ((bits >> LOOKUP_SHIFT_) & LOOKUP_MASK_))
+    key = (bits & KEY_MASK_) ^ ((bits >> 31) & KEY_MASK_)
+    return (entry >> KEY_BITS_) + (key > (entry & THRESHOLD_MASK_)).to(tl.int32)
 
 
 @triton.jit
@@ -168,8 +165,7 @@ def _encode(
     odd,
     values,
     absmax,
-    midpoints,
-    first_codes,
+    nearest,
     seed,
     index_even,
     index_odd,
@@ -179,8 +175,6 @@ def _encode(
     program,
     writes,
     KIND: tl.constexpr,
-    FLOOR: tl.constexpr,
-    ZERO: tl.constexpr,
 ):
     """Store both halves of a program's block of a moment (padding elements arrive as 0), if
     ``writes``."""
@@ -197,8 +191,8 @@ def _encode(
     else:
         scale = tl.minimum(tl.maximum(tl.max(tl.abs(even), 0), tl.max(tl.abs(odd), 0)), FLOAT32_MAX_)
         divisor = tl.where(scale > 0, scale, 1.0)
-        code_even = _nearest_codes(even / divisor, midpoints, first_codes, FLOOR, ZERO)
-        code_odd = _nearest_codes(odd / divisor, midpoints, first_codes, FLOOR, ZERO)
+        code_even = _nearest_codes(even / divisor, nearest)
+        code_odd = _nearest_codes(odd / divisor, nearest)
         if KIND == BLOCKS8_:
             tl.store(values + index_even, code_even.to(tl.uint8), mask=whole)
             tl.store(values + index_odd, code_odd.to(tl.uint8), mask=whole)
@@ -218,21 +212,15 @@ def _adamw_kernel(
     m_values,
     m_absmax,
     m_map,
-    m_midpoints,
-    m_first_codes,
+    m_nearest,
     m_seed,
     v_values,
     v_absmax,
     v_map,
-    v_midpoints,
-    v_first_codes,
+    v_nearest,
     v_seed,
     M_KIND: tl.constexpr,
-    M_FLOOR: tl.constexpr,
-    M_ZERO: tl.constexpr,
     V_KIND: tl.constexpr,
-    V_FLOOR: tl.constexpr,
-    V_ZERO: tl.constexpr,
     MODE: tl.constexpr,
     MASKED: tl.constexpr,
     HALF: tl.constexpr,
@@ -259,12 +247,12 @@ def _adamw_kernel(
         mask_odd, hyper,
     )  # fmt: skip
     _encode(
-        m_even, m_odd, m_values, m_absmax, m_midpoints, m_first_codes, m_seed,
-        index_even, index_odd, pair, mask_even, mask_odd, program, writes, M_KIND, M_FLOOR, M_ZERO,
+        m_even, m_odd, m_values, m_absmax, m_nearest, m_seed,
+        index_even, index_odd, pair, mask_even, mask_odd, program, writes, M_KIND,
     )  # fmt: skip
     _encode(
-        v_even, v_odd, v_values, v_absmax, v_midpoints, v_first_codes, v_seed,
-        index_even, index_odd, pair, mask_even, mask_odd, program, writes, V_KIND, V_FLOOR, V_ZERO,
+        v_even, v_odd, v_values, v_absmax, v_nearest, v_seed,
+        index_even, index_odd, pair, mask_even, mask_odd, program, writes, V_KIND,
     )  # fmt: skip
     _write(target, weight_seed, d_even, index_even, mask_even, hyper, writes, MODE)
     _write(target, weight_seed, d_odd, index_odd, mask_odd, hyper, writes, MODE)
