@@ -88,13 +88,16 @@ class BlockwiseCodec:
 
 
 def nearest_codes(normalized: Tensor, table: Tensor) -> Tensor:
-    """The int32 codes of the fp32 ``normalized`` by ``table`` (``_nearest_table``): integer
-    arithmetic on the bits, so that a compiled loop keeps it in vectors."""
+    """The int32 codes of the flat fp32 ``normalized`` by ``table`` (``_nearest_table``), which
+    overwrites ``normalized`` (its memory holds the keys: one temporary of its size at a time).
+    Integer arithmetic on the bits, so that a compiled loop keeps it in vectors."""
     bits = normalized.view(torch.int32)
-    entry = table[bits.bitwise_right_shift(LOOKUP_SHIFT).bitwise_and(LOOKUP_MASK)]
-    key = bits.bitwise_and(KEY_MASK).bitwise_xor(bits.bitwise_right_shift(31).bitwise_and(KEY_MASK))
-    past = key > entry.bitwise_and(THRESHOLD_MASK)
-    return entry.bitwise_right_shift(KEY_BITS) + past.int()
+    # index_select takes the int32 buckets as they are (indexing would convert them to int64).
+    entry = table.index_select(0, bits.bitwise_right_shift(LOOKUP_SHIFT).bitwise_and_(LOOKUP_MASK))
+    # The key: the low bits, reversed for negative numbers (all ones from the sign shift).
+    bits.bitwise_xor_(bits.bitwise_right_shift(31)).bitwise_and_(KEY_MASK)
+    bits.gt_(entry.bitwise_and(THRESHOLD_MASK))  # past the midpoint: 1
+    return entry.bitwise_right_shift_(KEY_BITS).add_(bits)
 
 
 def _nearest_table(midpoints: Tensor, floor: int | None) -> Tensor:
