@@ -30,31 +30,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @dataclass
 class FusedBackend:
-    """Which fused step a test runs, and the Triton kernel's launches (none for "compiled")."""
+    """Which fused step a test runs, and the Triton kernels' launches (none for "compiled"): the
+    number of tensors of each, 1 for the per-tensor kernel."""
 
     name: str
     launches: list[int] = field(default_factory=list)
 
     def check(self) -> None:
-        """Fail unless the Triton kernel ran (for the "triton" backend)."""
+        """Fail unless a Triton kernel ran (for the "triton" backend)."""
         assert self.name == "compiled" or self.launches, "the Triton kernel never ran"
 
 
 @pytest.fixture(params=["compiled", "triton"])
 def fused_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> FusedBackend:
     """Runs a fused-step test twice: through the compiled step, and through the hand-written
-    Triton kernel wherever it covers the storage (on CPU tensors in Triton's interpreter); the
+    Triton kernels wherever they cover the storage (on CPU tensors in Triton's interpreter); the
     test ends with ``fused_backend.check()``."""
     backend = FusedBackend(request.param)
     if backend.name == "triton":
         pytest.importorskip("triton")
         from slimopt import kernels
-        from slimopt.kernels import triton_adamw
+        from slimopt.kernels import triton_adamw, triton_multi_tensor
 
         monkeypatch.setattr(kernels, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
-        kernel = triton_adamw.adamw_step
-        launch = lambda *args: backend.launches.append(1) or kernel(*args)  # noqa: E731
-        monkeypatch.setattr(triton_adamw, "adamw_step", launch)
+        one, many = triton_adamw.adamw_step, triton_multi_tensor.adamw_steps
+        launch_one = lambda *args: backend.launches.append(1) or one(*args)  # noqa: E731
+        launch_many = lambda *args: backend.launches.append(len(args[0])) or many(*args)  # noqa: E731
+        monkeypatch.setattr(triton_adamw, "adamw_step", launch_one)
+        monkeypatch.setattr(triton_multi_tensor, "adamw_steps", launch_many)
     return backend
 
 

@@ -69,6 +69,7 @@ def test_the_fused_path_skips_on_the_device_as_the_reference_path_skips(
         assert torch.isfinite(ours).all()
         assert ((ours - theirs).norm() / theirs.norm()).item() < (1e-5 if dtype == torch.float32 else 1e-4)
     fused_backend.check()
+    fused_backend.check()
 
 
 def test_a_skipped_update_changes_nothing_stored() -> None:
@@ -152,9 +153,10 @@ def test_on_the_cpu_the_fused_path_reads_its_decision_before_the_step(monkeypatc
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_small_tensors_updated_together_skip_one_by_one(dtype, monkeypatch) -> None:
-    """The biases and the norm share one compiled call per step (``kernels.adamw_steps``); an
-    inf gradient in one of them skips that tensor alone, as the reference path does."""
+def test_small_tensors_updated_together_skip_one_by_one(dtype, monkeypatch, fused_backend) -> None:
+    """The biases and the norm share one compiled call or one launch of the multi-tensor Triton
+    kernel per step (``kernels.adamw_steps``); an inf gradient in one of them skips that tensor
+    alone, as the reference path does."""
     calls = []
     together = kernels.adamw_steps
     monkeypatch.setattr(kernels, "adamw_steps", lambda *args: calls.append(len(args[0])) or together(*args))
@@ -180,6 +182,9 @@ def test_small_tensors_updated_together_skip_one_by_one(dtype, monkeypatch) -> N
     reference, reference_counts = run(False)
     fused, counts = run(True)
     assert calls == [4] * 4  # three biases and the norm's weight, every step
+    if fused_backend.name == "triton":  # the two matrices one by one, the small tensors together
+        assert fused_backend.launches == [4, 1, 1] * 4
     assert counts == reference_counts and sum(skips for _, skips in counts) == 1
     for ours, theirs in zip(fused, reference, strict=True):
         assert ((ours - theirs).norm() / theirs.norm()).item() < (1e-5 if dtype == torch.float32 else 1e-4)
+    fused_backend.check()

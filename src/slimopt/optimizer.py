@@ -575,6 +575,22 @@ class GaLoreOptimizer(Optimizer):
             if keep is not None:
                 self._decisions.record(param, keep)
             return
+        self._reference_update(param, group, state, grad, basis, layout, age, generator, keep)
+
+    def _reference_update(
+        self,
+        param: Tensor,
+        group: dict[str, Any],
+        state: dict[str, Any],
+        grad: Tensor,
+        basis: Basis | None,
+        layout: torch.Size,
+        age: int,
+        generator: torch.Generator | None,
+        keep: Tensor | None,
+    ) -> None:
+        """``apply_update``'s work through the reference path, after ``_begin`` (``keep``: a
+        device flag the fused step would have masked by, when it did not compile)."""
         if keep is not None and not bool(keep):  # the fused step did not compile: decide here
             self._unstep(param, state)
             return
@@ -596,17 +612,25 @@ class GaLoreOptimizer(Optimizer):
                 )
 
     def _begin(
-        self, param: Tensor, group: dict[str, Any], state: dict[str, Any], grad: Tensor, basis: Basis | None
+        self,
+        param: Tensor,
+        group: dict[str, Any],
+        state: dict[str, Any],
+        grad: Tensor,
+        basis: Basis | None,
+        *,
+        own_dtype: bool = False,
     ) -> tuple[Tensor, torch.Size, torch.Generator | None, int]:
-        """An update's start: the fp32 gradient, contiguous so that moments created like it and
-        the direction have a 2-D view; the moments' layout; the rounding generator; the
-        moments' age, counted (the moments created on the first update)."""
-        grad = grad.float().contiguous()
+        """An update's start: the fp32 gradient (in its own dtype with ``own_dtype``: for a
+        step that reads bf16 itself), contiguous so that moments created like it and the
+        direction have a 2-D view; the moments' layout; the rounding generator; the moments'
+        age, counted (the moments created on the first update)."""
+        grad = (grad if own_dtype else grad.float()).contiguous()
         layout = self._layout(param, grad.shape)
         generator = self._rounding_generator(param, state, group, layout)
         if "moment_step" not in state:
             rule = self.rule_of(group)
-            for key, value in rule.init_state(grad, group, projected=basis is not None).items():
+            for key, value in rule.init_state(grad.float(), group, projected=basis is not None).items():
                 if key in rule.moment_kinds:
                     self._encode(state, key, value, group, generator, layout)
                 else:
@@ -639,26 +663,22 @@ class GaLoreOptimizer(Optimizer):
     def _together(self, param: Tensor, group: dict[str, Any], basis: Basis | None) -> bool:
         """Whether ``param`` joins the grouped fused step (``kernels.adamw_steps``): unprojected,
         under ``MIN_COMPRESSED_NUMEL`` elements (so its moments are fp32 in every storage
-        format), AdamW on the fused path, weights rounded to nearest, on a device where one
-        tensor's fused step is a compiled call (the hand-written Triton kernel has none to
-        save)."""
+        format), AdamW on the fused path, weights rounded to nearest."""
         if basis is not None or param.numel() >= MIN_COMPRESSED_NUMEL or param.is_complex():
             return False
         if not isinstance(self.rule_of(group), AdamWRule) or not self._fused(param, group):
             return False
-        if _rounds_stochastically(param, group) or not _values(param).is_contiguous():
-            return False
-        fp32 = (kernels.Storage(), kernels.Storage())
-        return param.device.type not in kernels.TRITON_DEVICE_TYPES or not kernels.triton_handles(fp32)
+        return not _rounds_stochastically(param, group) and _values(param).is_contiguous()
 
     def _update_together(self, batch: list[tuple[tuple[Any, ...], bool | Tensor]]) -> None:
         """``apply_update``'s work for every entry of ``batch`` in one ``kernels.adamw_steps``
-        call. (Only ``fused=True`` gets here: auto mode fuses on CUDA, where these tensors take
-        the Triton kernel; so a compile failure raises, as it does for one tensor.)"""
-        grads, moments, hypers, weights, keeps = [], [], [], [], []
+        call. Where it does not compile (on CUDA: the Triton kernel) auto mode gives up the
+        fused step, as ``_fused_step`` does, and updates the batch through the reference path;
+        ``fused=True`` raises."""
+        grads, moments, hypers, weights, keeps, begun = [], [], [], [], [], []
         for (param, group, grad, _, _), finite in batch:
             state = self.state_of(param)
-            grad, layout, _, age = self._begin(param, group, state, grad, None)
+            grad, layout, generator, age = self._begin(param, group, state, grad, None, own_dtype=True)
             values = _values(param)
             rule, step = self.rule_of(group), state["step"]
             hypers.append(kernels.adamw_hyperparameters(rule, group, values, step, age, grad.device))
@@ -667,7 +687,17 @@ class GaLoreOptimizer(Optimizer):
             grads.append(grad)
             weights.append(values)
             keeps.append(finite if isinstance(finite, Tensor) else None)
-        kernels.adamw_steps(grads, moments, torch.stack(hypers), weights, keeps)
+            begun.append((param, group, state, layout, age, generator))
+        try:
+            kernels.adamw_steps(grads, moments, torch.stack(hypers), weights, keeps)
+        except kernels.compile_failures() as error:
+            if any(group["fused"] is True for _, group, *_ in begun):
+                raise
+            _give_up_auto(error, stacklevel=5)
+            entries = zip(begun, grads, keeps, strict=True)
+            for (param, group, state, layout, age, generator), grad, keep in entries:
+                self._reference_update(param, group, state, grad.float(), None, layout, age, generator, keep)
+            return
         for ((param, _, _, _, _), _), keep in zip(batch, keeps, strict=True):
             if keep is not None:
                 self._decisions.record(param, keep)
@@ -752,16 +782,7 @@ class GaLoreOptimizer(Optimizer):
         except kernels.compile_failures() as error:
             if group["fused"] is True:
                 raise
-            # Auto mode promised only the fastest exact path: the reference path is one.
-            cause = getattr(error, "inner_exception", error)
-            reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-            kernels.give_up_auto(reason)
-            warnings.warn(
-                f"slimopt: the fused step did not compile ({reason}); fused=None uses the reference path "
-                "from now on",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+            _give_up_auto(error, stacklevel=5)
             return NOT_COMPILED
 
     def _by_row_slices(self, param: Tensor, group: dict[str, Any], shape: torch.Size | None = None) -> bool:
@@ -1092,6 +1113,19 @@ class GaLoreOptimizer(Optimizer):
 # Experts' seeds: their parameter's ordinal plus a multiple of this (more than any model's
 # parameter count, and odd, so the low 32 bits of the seeds differ too).
 EXPERT_SEED_STRIDE = 100_003
+
+
+def _give_up_auto(error: Exception, stacklevel: int) -> None:
+    """Auto mode's answer to a fused step that did not compile: the reference path from now on
+    (it promised only the fastest exact path, and the reference path is one), with a warning."""
+    cause = getattr(error, "inner_exception", error)
+    reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    kernels.give_up_auto(reason)
+    warnings.warn(
+        f"slimopt: the fused step did not compile ({reason}); fused=None uses the reference path from now on",
+        RuntimeWarning,
+        stacklevel=stacklevel,
+    )
 
 
 def _expert_of(unit: Tensor) -> tuple[Tensor, int] | None:

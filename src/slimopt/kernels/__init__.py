@@ -254,13 +254,21 @@ def adamw_steps(
     weights: list[Tensor],
     keeps: list[Tensor | None],
 ) -> None:
-    """One AdamW step of each of several tensors with fp32 moments, in one compiled call: what
-    ``adamw_step`` does for grad ``i`` (contiguous), its two moments' parts and its ``weights``
-    (contiguous, fp32 or bf16 rounded to nearest), with row ``i`` of ``hypers`` (stacked
-    ``hyperparameters``) and ``keeps[i]``. A compiled call costs about 100 µs of dynamo's
-    guards and wrappers, more than updating a norm's few thousand elements: grouped, a
-    model's norms and biases pay it once. Shapes are constants: one compilation per set of
-    tensors, which a model keeps from step to step."""
+    """One AdamW step of each of several tensors with fp32 moments, in one call: what
+    ``adamw_step`` does for grad ``i`` (contiguous, fp32 or bf16: read as fp32), its two
+    moments' parts and its ``weights`` (contiguous, fp32 or bf16 rounded to nearest), with row
+    ``i`` of ``hypers`` (stacked ``hyperparameters``) and ``keeps[i]``.
+
+    On a Triton device, one launch of the multi-tensor kernel (``triton_multi_tensor``), where a
+    launch per tensor costs more than the update of a norm's few thousand elements. Elsewhere
+    one compiled call, where a call costs about 100 µs of dynamo's guards and wrappers: grouped,
+    a model's norms and biases pay it once. Shapes are constants there: one compilation per
+    set of tensors, which a model keeps from step to step."""
+    if hypers.device.type in TRITON_DEVICE_TYPES and _triton_installed():
+        from slimopt.kernels import triton_multi_tensor
+
+        triton_multi_tensor.adamw_steps(grads, moments, hypers, weights, keeps)
+        return
     with compile_settings():
         _compiled(_adamw_steps)(grads, moments, hypers, weights, keeps)
 
@@ -412,7 +420,7 @@ def _adamw_steps(
     """``adamw_steps``' compiled part."""
     storages = (Storage(), Storage())
     for index, (grad, pair, target, keep) in enumerate(zip(grads, moments, weights, keeps, strict=True)):
-        _adamw_step(grad.view(-1), pair, storages, ((), ()), hypers[index], target.view(-1), (), keep)
+        _adamw_step(grad.view(-1).float(), pair, storages, ((), ()), hypers[index], target.view(-1), (), keep)
 
 
 def _adamw_step(
