@@ -51,12 +51,10 @@ class BlockwiseCodec:
         self.code_map = code_map
         self.block_size = block_size
         self.bits = 4 if code_map.numel() <= 16 else 8
-        self.positive_floor = positive_floor
-        # Index of the zero code (computed once on the CPU: no device sync per encode).
-        self.zero_code = int(torch.searchsorted(code_map, torch.zeros(())))
+        # The zero code, which positive values skip with ``positive_floor``: part of the table.
+        floor = int(torch.searchsorted(code_map, torch.zeros(()))) if positive_floor else None
         with untracked():  # codecs are cached for the whole process; so are their tables
             midpoints = (code_map[1:] + code_map[:-1]) / 2
-            floor = self.zero_code if positive_floor else None
             self._search = (code_map, _nearest_table(midpoints, floor))
         self._device_maps: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
