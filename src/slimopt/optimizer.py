@@ -642,8 +642,8 @@ class GaLoreOptimizer(Optimizer):
         self, updates: list[tuple[tuple[Any, ...], bool | Tensor]]
     ) -> list[tuple[tuple[Any, ...], bool | Tensor]]:
         """Update the small tensors among ``updates`` ((parameter, group, gradient, basis, _),
-        decision) that ``_together`` admits in one compiled call per device; return the
-        others, in their order."""
+        decision) that ``_together`` admits in one ``kernels.adamw_steps`` call per device;
+        return the others, in their order."""
         batches: dict[torch.device, list[tuple[tuple[Any, ...], bool | Tensor]]] = {}
         rest = []
         for update in updates:

@@ -92,8 +92,7 @@ def nearest_codes(normalized: Tensor, table: Tensor) -> Tensor:
     bits = normalized.view(torch.int32)
     # index_select takes the int32 buckets as they are (indexing would convert them to int64).
     entry = table.index_select(0, bits.bitwise_right_shift(LOOKUP_SHIFT).bitwise_and_(LOOKUP_MASK))
-    # The key: the low bits, reversed for negative numbers (all ones from the sign shift).
-    bits.bitwise_xor_(bits.bitwise_right_shift(31)).bitwise_and_(KEY_MASK)
+    _to_keys(bits)
     bits.gt_(entry.bitwise_and(THRESHOLD_MASK))  # past the midpoint: 1
     return entry.bitwise_right_shift_(KEY_BITS).add_(bits)
 
@@ -117,7 +116,8 @@ def _nearest_table(midpoints: Tensor, floor: int | None) -> Tensor:
         raise ValueError("code map too dense for the lookup table: two midpoints in one bucket")
     # After the last midpoint +inf: a value in the top bucket never moves past the last code.
     after = torch.cat([midpoints, midpoints.new_full((1,), torch.inf)])[first]
-    threshold = torch.where(after <= high, _keys(after), KEY_MASK)
+    inside = after <= high
+    threshold = torch.where(inside, _to_keys(after.view(torch.int32)), KEY_MASK)
     if floor is not None:
         positive = (ids < 1 << 31) & (first == floor)
         threshold = torch.where(positive, torch.where(ids == 0, 0, KEY_MASK), threshold)
@@ -125,10 +125,11 @@ def _nearest_table(midpoints: Tensor, floor: int | None) -> Tensor:
     return (first << KEY_BITS | threshold).int()
 
 
-def _keys(values: Tensor) -> Tensor:
-    """The position of fp32 ``values`` within their buckets, ascending with the value."""
-    bits = values.view(torch.int32).long()
-    return (bits & KEY_MASK) ^ torch.where(bits < 0, KEY_MASK, 0)
+def _to_keys(bits: Tensor) -> Tensor:
+    """Overwrite the int32 ``bits`` of fp32 numbers with their keys, their positions within
+    their buckets ascending with the value: the low bits, reversed for negative numbers (all
+    ones from the sign shift). Returns ``bits``."""
+    return bits.bitwise_xor_(bits.bitwise_right_shift(31)).bitwise_and_(KEY_MASK)
 
 
 def _blocks(value: Tensor, block_size: int) -> Tensor:

@@ -13,8 +13,9 @@ fp32 or bf16 parameters rounded to nearest or stochastically. On CUDA, AdamW mom
 elementwise (fp32, bf16, 8- and 4-bit blocks) take the hand-written Triton kernel of
 ``triton_adamw`` instead: one launch per tensor, no compilation per shape. Stochastic roundings
 draw from counter-based streams (``slimopt.codecs.draws``) seeded as the reference path seeds
-them, so they draw the same numbers. Small AdamW tensors (norms, biases) whose own step would
-be a compiled call are updated together, in one compiled call for all (``adamw_steps``). Not
+them, so they draw the same numbers. Small AdamW tensors (norms, biases) are updated together
+(``adamw_steps``): in one launch of ``triton_multi_tensor`` on CUDA, in one compiled call
+elsewhere. Not
 covered (``unsupported`` says why): TACO's rule, complex parameters, tensors with more than two
 dimensions under ternary states or Adafactor (their factored statistics are over the last two).
 """

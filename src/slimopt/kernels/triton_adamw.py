@@ -155,7 +155,7 @@ def _nearest_codes(normalized, nearest):
     """``slimopt.codecs.blockwise.nearest_codes``: the bucket's entry, then its key compared."""
     bits = normalized.to(tl.int32, bitcast=True)
     entry = tl.load(nearest + ((bits >> LOOKUP_SHIFT_) & LOOKUP_MASK_))
-    key = (bits & KEY_MASK_) ^ ((bits >> 31) & KEY_MASK_)
+    key = (bits ^ (bits >> 31)) & KEY_MASK_
     return (entry >> KEY_BITS_) + (key > (entry & THRESHOLD_MASK_)).to(tl.int32)
 
 
