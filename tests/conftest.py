@@ -50,13 +50,15 @@ def fused_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     if backend.name == "triton":
         pytest.importorskip("triton")
         from slimopt import kernels
-        from slimopt.kernels import triton_adamw, triton_multi_tensor
+        from slimopt.kernels import triton_adamw, triton_multi_tensor, triton_ternary
 
         monkeypatch.setattr(kernels, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
-        one, many = triton_adamw.adamw_step, triton_multi_tensor.adamw_steps
-        launch_one = lambda *args: backend.launches.append(1) or one(*args)  # noqa: E731
+        for module in (triton_adamw, triton_ternary):
+            one = module.adamw_step
+            launch_one = lambda *args, one=one: backend.launches.append(1) or one(*args)  # noqa: E731
+            monkeypatch.setattr(module, "adamw_step", launch_one)
+        many = triton_multi_tensor.adamw_steps
         launch_many = lambda *args: backend.launches.append(len(args[0])) or many(*args)  # noqa: E731
-        monkeypatch.setattr(triton_adamw, "adamw_step", launch_one)
         monkeypatch.setattr(triton_multi_tensor, "adamw_steps", launch_many)
     return backend
 

@@ -78,6 +78,8 @@ def test_fused_step_matches_the_reference_path(name, options, dtype) -> None:
         ("adamw", {"states": "bf16"}),
         ("galore_adamw8bit", {"rank": 8}),
         ("adamw8bit", {"param_rounding": "stochastic"}),
+        ("adamw_ternary", {}),
+        ("adamw_ternary", {"param_rounding": "stochastic"}),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -309,6 +311,7 @@ def test_a_step_counted_by_live_bytes_leaves_the_next_ones_compiled() -> None:
     [
         # 6097 elements: blocks of 8 and bytes of 5 padded; a factored second moment
         ("ternary", (67, 91)),
+        ("ternary", (1031, 77)),  # several strips of rows and of columns, row means summed in chunks
         ("ternary", (3, 1999)),  # row scales only, a 4-bit second moment
         ("ternary", (140, 31)),  # column scales only
         ("bf16", (61, 83)),
@@ -318,8 +321,10 @@ def test_stochastic_formats_draw_what_the_reference_draws(states, shape, fused_b
     """One step of stochastically rounded moments through the fused step and through decode →
     rule → encode, each drawing from a generator seeded alike: the same codes, but where a value
     one fp32 rounding apart falls on the other side of its draw (at most 1 in 1000)."""
-    if fused_backend.name == "triton" and states == "ternary":
-        pytest.skip("ternary storage has no Triton kernel: the compiled step covers it")
+    if fused_backend.name == "triton" and states == "ternary" and min(shape) < 32:
+        pytest.skip("ternary storage of thin matrices has no Triton kernel: the compiled step covers it")
+    if fused_backend.name == "compiled" and shape == (1031, 77):
+        pytest.skip("the strips of this shape are the Triton kernels' (compiling it again costs 20 s)")
     shape = torch.Size(shape)
     generator = torch.Generator().manual_seed(0)
     codecs = [moment_codec(states, kind, shape) for kind in ("linear", "square")]

@@ -112,9 +112,9 @@ class TernaryCodec:
         block_max = blocks.abs().amax(dim=1)
         exponents = torch.ceil(-EXPONENT_STEPS_PER_OCTAVE * torch.log2(block_max)).clamp_(0, 255)
         # log2 rounding must not leave the scale below the block maximum.
-        exponents = torch.where(_exponent_scale(exponents) < block_max, exponents - 1, exponents)
+        exponents = torch.where(exponent_scale(exponents) < block_max, exponents - 1, exponents)
         stored["exponents"] = exponents.to(torch.uint8).view(-1)
-        blocks.div_(_exponent_scale(exponents).unsqueeze(1))
+        blocks.div_(exponent_scale(exponents).unsqueeze(1))
         stored["trits"] = _ternarize(blocks.view(-1, grid_cols)[:grid_rows], generator)
         return stored
 
@@ -126,7 +126,7 @@ class TernaryCodec:
         # (bytes, columns, digit) → rows in order: digit k of byte row a is row 5a + k.
         digits = digits.view(-1, grid_cols, TRITS_PER_BYTE).transpose(1, 2).reshape(-1, grid_cols)
         signs = digits[:grid_rows].float().sub_(1)
-        scales = _exponent_scale(stored["exponents"].view(-1, grid_cols).float())
+        scales = exponent_scale(stored["exponents"].view(-1, grid_cols).float())
         scales = scales.repeat_interleave(self.block_size, dim=0)[:grid_rows]
         values = (signs * scales).view(rows, cols)
         if self.row_scale:
@@ -136,7 +136,8 @@ class TernaryCodec:
         return values.view(shape)
 
 
-def _exponent_scale(exponents: Tensor) -> Tensor:
+def exponent_scale(exponents: Tensor) -> Tensor:
+    """The block scale each exponent code stands for: 2^(-e/4)."""
     return torch.exp2(-exponents / EXPONENT_STEPS_PER_OCTAVE)
 
 

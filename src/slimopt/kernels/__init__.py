@@ -11,7 +11,9 @@ loops may contract a multiply and an add into one rounding).
 Covered: the AdamW and Adafactor rules (``adafactor``) with every storage format (``formats``),
 fp32 or bf16 parameters rounded to nearest or stochastically. On CUDA, AdamW moments stored
 elementwise (fp32, bf16, 8- and 4-bit blocks) take the hand-written Triton kernel of
-``triton_adamw`` instead: one launch per tensor, no compilation per shape. Stochastic roundings
+``triton_adamw`` instead: one launch per tensor, no compilation per shape; matrices with ternary
+states (ternary first moment with row and column scales, factored second moment) take the four
+launches of ``triton_ternary``. Stochastic roundings
 draw from counter-based streams (``slimopt.codecs.draws``) seeded as the reference path seeds
 them, so they draw the same numbers. Small AdamW tensors (norms, biases) are updated together
 (``adamw_steps``): in one launch of ``triton_multi_tensor`` on CUDA, in one compiled call
@@ -232,6 +234,11 @@ def adamw_step(
         from slimopt.kernels import triton_adamw
 
         return triton_adamw.adamw_step(grad, moments, storages, tables, hyper, weights, seeds, keep)
+    if grad.device.type in TRITON_DEVICE_TYPES and _triton_installed():
+        from slimopt.kernels import triton_ternary
+
+        if triton_ternary.handles(storages):
+            return triton_ternary.adamw_step(grad, moments, storages, tables, hyper, weights, seeds, keep)
     if not any(storage.kind in formats.MATRIX_KINDS for storage in storages):
         # Elementwise storage: the step runs on flat vectors of dynamic length, one compiled
         # step for every shape (matrix index arithmetic of symbolic width is slower).

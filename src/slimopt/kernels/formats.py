@@ -23,6 +23,7 @@ from slimopt.codecs.ternary import (
     EXPONENT_STEPS_PER_OCTAVE,
     TRITS_PER_BYTE,
     TernaryCodec,
+    exponent_scale,
     grid,
     nonzero_scale,
 )
@@ -199,9 +200,9 @@ def ternary_exponents(
     blocks = torch.nn.functional.pad(normalized.reshape(grid_rows, grid_cols), (0, 0, 0, padding))
     block_max = blocks.view(-1, storage.block_size, grid_cols).abs().amax(dim=1)
     exponents = torch.ceil(-EXPONENT_STEPS_PER_OCTAVE * torch.log2(block_max)).clamp(0, 255)
-    exponents = torch.where(_exponent_scale(exponents) < block_max, exponents - 1, exponents)
+    exponents = torch.where(exponent_scale(exponents) < block_max, exponents - 1, exponents)
     store(parts["exponents"], exponents.to(torch.uint8).view(-1), keep)
-    return _exponent_scale(exponents)
+    return exponent_scale(exponents)
 
 
 def ternary_codes(
@@ -255,17 +256,13 @@ def _ternary_digits(trits: Tensor, grid_rows: int, grid_cols: int) -> Tensor:
 
 def _ternary_scales(exponents: Tensor, block_size: int, grid_rows: int, grid_cols: int) -> Tensor:
     """Each element's block scale on the grid."""
-    return _by_grid_row(_exponent_scale(exponents.view(-1, grid_cols).float()), block_size, grid_rows)
+    return _by_grid_row(exponent_scale(exponents.view(-1, grid_cols).float()), block_size, grid_rows)
 
 
 def _by_grid_row(per_block: Tensor, block_size: int, grid_rows: int) -> Tensor:
     """A (blocks, columns) tensor on the grid's rows: row r takes block row r // block_size."""
     blocks, grid_cols = per_block.shape
     return per_block.unsqueeze(1).expand(blocks, block_size, grid_cols).reshape(-1, grid_cols)[:grid_rows]
-
-
-def _exponent_scale(exponents: Tensor) -> Tensor:
-    return torch.exp2(-exponents / EXPONENT_STEPS_PER_OCTAVE)
 
 
 def _pad(flat: Tensor, block_size: int) -> Tensor:

@@ -8,8 +8,8 @@ operation: the same lookup for the nearest code, the same counter-based draws
 (``slimopt.codecs.draws``) for stochastic rounding, indexed by element. A program covers one
 quantization block, walked as two interleaved halves (even and odd elements), so the two 4-bit
 codes of a byte are written by the program that computes them. Moments stored by rows and
-columns (ternary, factored) need reductions across the whole matrix and stay with the compiled
-step (``slimopt.kernels``). With ``TRITON_INTERPRET=1`` set before this module is imported the
+columns (ternary, factored) need reductions across the whole matrix: ``triton_ternary`` takes
+them in passes. With ``TRITON_INTERPRET=1`` set before this module is imported the
 kernel runs on CPU tensors, which is how it is tested without a GPU.
 """
 

@@ -1,0 +1,355 @@
+"""The fused AdamW step of a matrix with ternary states as hand-written Triton kernels: a ternary
+first moment with row and column scales (``slimopt.codecs.ternary``) and a factored second
+moment (``slimopt.codecs.factored``), the pair ``states="ternary"`` gives every matrix of at
+least 32×32.
+
+Both moments' new scales are reductions over the whole matrix, and each scale divides the values
+the next one is taken of, so a step is four launches, each a pass that ends in the reduction the
+next one needs:
+
+1. the update, by row strips: decode both moments, update them, write the parameter (or the
+   direction of a projected matrix), write the new first moment in fp32 to a scratch matrix (as
+   the compiled step does), and reduce each row: the first moment's row scales, the second's row
+   means, and per strip the second moment's column sums;
+2. by column strips: the first moment's column scales and the second's column means;
+3. by tiles of blocks: each block's exponent;
+4. by tiles of bytes: the digits, five rows to a byte, stochastically rounded with the draws of
+   ``slimopt.codecs.draws`` by element, as the codec draws them.
+
+Each kernel computes what the codecs compute, in their order of operations; the exponents'
+scales are read from a table that PyTorch computed, so they are the codec's bit for bit. A step
+skipped on the device (``keep`` False) stores nothing but a zero direction. With
+``TRITON_INTERPRET=1`` set before this module is imported the kernels run on CPU tensors, which
+is how they are tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from slimopt.codecs.plain import FLOAT32_MAX
+from slimopt.codecs.ternary import EXPONENT_STEPS_PER_OCTAVE, TRITS_PER_BYTE, exponent_scale
+from slimopt.kernels.formats import Storage
+from slimopt.kernels.triton_adamw import (
+    DIRECTION,
+    WEIGHTS_BF16,
+    WEIGHTS_BF16_STOCHASTIC,
+    WEIGHTS_FP32,
+    _and,
+    _random_words,
+    _update,
+    _write,
+)
+from slimopt.memory import untracked
+
+# Tile sizes: rows of a strip, columns of a tile (one strip's row reductions stay in registers;
+# the second moment's column sums are written once per strip).
+STRIP_ROWS = 16
+TILE_COLUMNS = 64
+# Values read at a time when summing the second moment's row means.
+SUM_CHUNK = 1024
+EXPONENTS = 256  # an exponent is one byte
+FLOAT32_MAX_ = tl.constexpr(FLOAT32_MAX)
+STEPS_PER_OCTAVE_ = tl.constexpr(EXPONENT_STEPS_PER_OCTAVE)
+TRITS_PER_BYTE_ = tl.constexpr(TRITS_PER_BYTE)
+
+
+def handles(storages: tuple[Storage, Storage]) -> bool:
+    """Whether these kernels cover moments stored as ``storages``: a ternary first moment with
+    row and column scales (a matrix of at least 32×32 rows and columns, laid out as itself) and
+    a factored second moment."""
+    first, second = storages
+    return first.kind == "ternary" and first.row_scale and first.col_scale and second.kind == "factored"
+
+
+def adamw_step(
+    grad: Tensor,
+    moments: tuple[dict[str, Tensor], dict[str, Tensor]],
+    storages: tuple[Storage, Storage],
+    tables: tuple[tuple[Tensor, ...], tuple[Tensor, ...]],
+    hyper: Tensor,
+    weights: Tensor | None,
+    seeds: tuple[Tensor, ...],
+    keep: Tensor | None = None,
+) -> Tensor | None:
+    """``slimopt.kernels.adamw_step`` for storages that ``handles`` accepts: the same arguments
+    (``grad`` a contiguous rows × columns matrix, ``weights`` its parameter), the direction
+    returned when ``weights`` is None."""
+    rows, cols = grad.shape
+    direction = grad.new_empty(grad.shape) if weights is None else None
+    first, second = moments
+    block_size = storages[0].block_size
+    if weights is None:
+        target, mode, weight_seed = direction, DIRECTION, hyper
+    elif weights.dtype == torch.float32:
+        target, mode, weight_seed = weights, WEIGHTS_FP32, hyper
+    elif len(seeds) > 1:  # a stream left for the weights after the first moment's
+        target, mode, weight_seed = weights, WEIGHTS_BF16_STOCHASTIC, seeds[1]
+    else:
+        target, mode, weight_seed = weights, WEIGHTS_BF16, hyper
+    masked = keep is not None
+    keep = hyper if keep is None else keep
+    strips = triton.cdiv(rows, STRIP_ROWS)
+    # The new first moment (as the compiled step keeps it), the second moment's new row means
+    # (its old ones are read by every strip) and each strip's column sums.
+    value = grad.new_empty(grad.shape)
+    row_means = grad.new_empty(rows)
+    column_sums = grad.new_empty(strips, cols)
+    ceiling = FLOAT32_MAX / max(rows, cols)  # the factored codec's saturation
+    scales = _exponent_scales(grad.device)
+    _update_strips[(strips,)](
+        grad, target, weight_seed, hyper, keep, value,
+        first["trits"], first["exponents"], first["row"], first["col"], scales,
+        second["row"], second["col"], row_means, column_sums, rows, cols, ceiling,
+        MODE=mode, MASKED=masked, BLOCK=block_size, ROWS=STRIP_ROWS, COLUMNS=TILE_COLUMNS, CHUNK=SUM_CHUNK,
+    )  # fmt: skip
+    column_strips = triton.cdiv(cols, TILE_COLUMNS)
+    _column_strips[(column_strips,)](
+        keep, value, first["row"], first["col"], second["row"], second["col"], row_means, column_sums,
+        rows, cols, strips, triton.cdiv(rows, column_strips), ceiling,
+        MASKED=masked, ROWS=STRIP_ROWS, COLUMNS=TILE_COLUMNS,
+    )  # fmt: skip
+    block_rows = triton.cdiv(rows, block_size)
+    _block_exponents[(triton.cdiv(block_rows, STRIP_ROWS), column_strips)](
+        keep, value, first["row"], first["col"], first["exponents"], scales, rows, cols, block_rows,
+        MASKED=masked, BLOCK=block_size, ROWS=STRIP_ROWS, COLUMNS=TILE_COLUMNS,
+    )  # fmt: skip
+    byte_rows = triton.cdiv(rows, TRITS_PER_BYTE)
+    _digits[(triton.cdiv(byte_rows, STRIP_ROWS), column_strips)](
+        keep, value, first["row"], first["col"], first["exponents"], scales, seeds[0], first["trits"],
+        rows, cols, byte_rows,
+        MASKED=masked, BLOCK=block_size, ROWS=STRIP_ROWS, COLUMNS=TILE_COLUMNS,
+    )  # fmt: skip
+    return direction
+
+
+@functools.cache
+def _exponent_scales(device: torch.device) -> Tensor:
+    """The scale of every exponent, as the codec computes it, on ``device``."""
+    with untracked():  # a cache shared by the steps, not memory of one
+        return exponent_scale(torch.arange(EXPONENTS, dtype=torch.float32, device=device))
+
+
+@triton.jit
+def _writes(keep, MASKED: tl.constexpr):
+    """1 where the step stores (its gradient is finite), else 0."""
+    return tl.load(keep).to(tl.int32) if MASKED else tl.program_id(0) * 0 + 1
+
+
+@triton.jit
+def _nonzero(scale):
+    """``slimopt.codecs.ternary.nonzero_scale``."""
+    return tl.where(scale > 0, scale, 1.0)
+
+
+@triton.jit
+def _clamped(value):
+    return tl.minimum(tl.maximum(value, -FLOAT32_MAX_), FLOAT32_MAX_)
+
+
+@triton.jit
+def _update_strips(
+    grad,
+    target,
+    weight_seed,
+    hyper,
+    keep,
+    value,
+    trits,
+    exponents,
+    m_row,
+    m_col,
+    scales,
+    v_row,
+    v_col,
+    row_means,
+    column_sums,
+    rows,
+    cols,
+    ceiling,
+    MODE: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Pass 1: one strip of ``ROWS`` rows, tile by tile along them."""
+    strip = tl.program_id(0)
+    writes = _writes(keep, MASKED)
+    row = strip * ROWS + tl.arange(0, ROWS)
+    real_row = row < rows
+    # The factored codec's decode: row means over their mean, times column means.
+    total = tl.zeros([CHUNK], dtype=tl.float32)
+    for start in range(0, rows, CHUNK):
+        chunk = start + tl.arange(0, CHUNK)
+        total += tl.load(v_row + chunk, mask=chunk < rows, other=0.0)
+    mean = tl.sum(total, 0) / rows
+    v_rows = tl.load(v_row + row, mask=real_row, other=0.0) / tl.where(mean > 0, mean, 1.0)
+    m_rows = tl.load(m_row + row, mask=real_row, other=0.0)
+    # Digit row % 5 of byte row row // 5, as a divisor: 3 ** (row % 5).
+    digit = row % TRITS_PER_BYTE_
+    power = tl.where(digit == 1, 3, 1)
+    power = tl.where(digit == 2, 9, power)
+    power = tl.where(digit == 3, 27, power)
+    power = tl.where(digit == 4, 81, power)
+    byte_row = row // TRITS_PER_BYTE_
+    block_row = row // BLOCK
+    row_max = tl.zeros([ROWS], dtype=tl.float32)
+    row_sum = tl.zeros([ROWS], dtype=tl.float32)
+    for start in range(0, cols, COLUMNS):
+        col = start + tl.arange(0, COLUMNS)
+        real_col = col < cols
+        real = real_row[:, None] & real_col[None, :]
+        index = row[:, None] * cols + col[None, :]
+        g = tl.load(grad + index, mask=real, other=0.0)
+        byte = tl.load(trits + byte_row[:, None] * cols + col[None, :], mask=real, other=0).to(tl.int32)
+        sign = ((byte // power[:, None]) % 3).to(tl.float32) - 1
+        exponent = tl.load(exponents + block_row[:, None] * cols + col[None, :], mask=real, other=0)
+        m = sign * tl.load(scales + exponent.to(tl.int32)) * m_rows[:, None]
+        m = m * tl.load(m_col + col, mask=real_col, other=0.0)[None, :]
+        v = v_rows[:, None] * tl.load(v_col + col, mask=real_col, other=0.0)[None, :]
+        m, v, direction = _update(g, m, v, real, hyper)
+        _write(target, weight_seed, direction, index, real, hyper, writes, MODE)
+        tl.store(value + index, m, mask=real)
+        row_max = tl.maximum(row_max, tl.max(tl.abs(_clamped(m)), 1))
+        row_sum += tl.sum(v, 1)
+        tl.store(column_sums + strip * cols + col, tl.sum(v, 0), mask=real_col)
+    # Only this strip reads its rows' scales: they are replaced here.
+    tl.store(m_row + row, row_max, mask=_and(real_row, writes))
+    tl.store(row_means + row, tl.minimum(row_sum / cols, ceiling), mask=real_row)
+
+
+@triton.jit
+def _column_strips(
+    keep,
+    value,
+    m_row,
+    m_col,
+    v_row,
+    v_col,
+    row_means,
+    column_sums,
+    rows,
+    cols,
+    strips,
+    rows_per_program,
+    ceiling,
+    MASKED: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+):
+    """Pass 2: one strip of ``COLUMNS`` columns: the first moment's column scales (of the
+    matrix divided by its new row scales) and the second's column means; it also stores a share
+    of the second moment's row means."""
+    program = tl.program_id(0)
+    writes = _writes(keep, MASKED)
+    col = program * COLUMNS + tl.arange(0, COLUMNS)
+    real_col = col < cols
+    col_max = tl.zeros([COLUMNS], dtype=tl.float32)
+    for start in range(0, rows, ROWS):
+        row = start + tl.arange(0, ROWS)
+        real = (row < rows)[:, None] & real_col[None, :]
+        m = _clamped(tl.load(value + row[:, None] * cols + col[None, :], mask=real, other=0.0))
+        m = m / _nonzero(tl.load(m_row + row, mask=row < rows, other=1.0))[:, None]
+        col_max = tl.maximum(col_max, tl.max(tl.abs(m), 0))
+    tl.store(m_col + col, col_max, mask=_and(real_col, writes))
+    col_sum = tl.zeros([COLUMNS], dtype=tl.float32)
+    for strip in range(0, strips):
+        col_sum += tl.load(column_sums + strip * cols + col, mask=real_col, other=0.0)
+    tl.store(v_col + col, tl.minimum(col_sum / rows, ceiling), mask=_and(real_col, writes))
+    for start in range(program * rows_per_program, (program + 1) * rows_per_program, ROWS):
+        row = start + tl.arange(0, ROWS)
+        real_row = (row < rows) & (row < (program + 1) * rows_per_program)
+        tl.store(v_row + row, tl.load(row_means + row, mask=real_row, other=0.0), mask=_and(real_row, writes))
+
+
+@triton.jit
+def _scaled(value, m_row, m_col, row, col, rows, cols, real):
+    """The new first moment at rows ``row`` and columns ``col``, divided by its row and column
+    scales in the codec's order (0 outside the matrix)."""
+    m = _clamped(tl.load(value + row[:, None] * cols + col[None, :], mask=real, other=0.0))
+    m = m / _nonzero(tl.load(m_row + row, mask=row < rows, other=1.0))[:, None]
+    return m / _nonzero(tl.load(m_col + col, mask=col < cols, other=1.0))[None, :]
+
+
+@triton.jit
+def _block_exponents(
+    keep,
+    value,
+    m_row,
+    m_col,
+    exponents,
+    scales,
+    rows,
+    cols,
+    block_rows,
+    MASKED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+):
+    """Pass 3: the exponents of a tile of ``ROWS`` block rows × ``COLUMNS`` columns: each the
+    smallest whose scale is at least its block's largest scaled magnitude."""
+    writes = _writes(keep, MASKED)
+    block = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
+    real_col = col < cols
+    block_max = tl.zeros([ROWS, COLUMNS], dtype=tl.float32)
+    for offset in range(0, BLOCK):
+        row = block * BLOCK + offset
+        real = (row < rows)[:, None] & real_col[None, :]
+        block_max = tl.maximum(block_max, tl.abs(_scaled(value, m_row, m_col, row, col, rows, cols, real)))
+    exponent = tl.ceil(tl.log2(block_max) * -STEPS_PER_OCTAVE_)
+    exponent = tl.minimum(tl.maximum(exponent, 0.0), 255.0).to(tl.int32)
+    exponent = tl.where(tl.load(scales + exponent) < block_max, exponent - 1, exponent)
+    real = (block < block_rows)[:, None] & real_col[None, :]
+    tl.store(exponents + block[:, None] * cols + col[None, :], exponent.to(tl.uint8), mask=_and(real, writes))
+
+
+@triton.jit
+def _digits(
+    keep,
+    value,
+    m_row,
+    m_col,
+    exponents,
+    scales,
+    seed,
+    trits,
+    rows,
+    cols,
+    byte_rows,
+    MASKED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+):
+    """Pass 4: the bytes of a tile of ``ROWS`` byte rows × ``COLUMNS`` columns: digit k of byte
+    row a is row 5a + k, -1, 0 or +1 stored as 0, 1, 2 (rows past the matrix: 0, as the codec
+    pads them)."""
+    writes = _writes(keep, MASKED)
+    byte_row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
+    real_col = col < cols
+    stream = tl.load(seed)
+    packed = tl.zeros([ROWS, COLUMNS], dtype=tl.int32)
+    for k in tl.static_range(TRITS_PER_BYTE_):
+        # Most significant digit first: packed = Σ digit_k · 3^k.
+        row = byte_row * TRITS_PER_BYTE_ + (TRITS_PER_BYTE_ - 1 - k)
+        real = (row < rows)[:, None] & real_col[None, :]
+        exponent = tl.load(exponents + (row // BLOCK)[:, None] * cols + col[None, :], mask=real, other=0)
+        scale = tl.load(scales + exponent.to(tl.int32))
+        scaled = _scaled(value, m_row, m_col, row, col, rows, cols, real) / scale
+        index = row[:, None] * cols + col[None, :]
+        draws = ((_random_words(stream, index) >> 8) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216)
+        sign = tl.where(scaled > 0, 1, tl.where(scaled < 0, -1, 0))
+        digit = tl.where(draws < tl.abs(scaled), sign, 0) + 1
+        packed = packed * 3 + tl.where(real, digit, 0)
+    real = (byte_row < byte_rows)[:, None] & real_col[None, :]
+    tl.store(trits + byte_row[:, None] * cols + col[None, :], packed.to(tl.uint8), mask=_and(real, writes))
