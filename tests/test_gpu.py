@@ -59,8 +59,8 @@ def test_planner_predicts_cuda_max_memory_allocated() -> None:
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_auto_fuses_on_cuda_and_matches_the_reference(optimizer_class, states, dtype) -> None:
-    """On CUDA ``fused=None`` takes the fused step (the hand-written Triton kernel, or Triton
-    kernels built by torch.compile for ternary storage and Adafactor); it ends within fp32
+    """On CUDA ``fused=None`` takes the fused step (the hand-written Triton kernels, elementwise
+    and ternary, or Triton kernels built by torch.compile for Adafactor); it ends within fp32
     round-off of the reference path (as on the CPU, tests/test_fused.py)."""
     shapes = [(4099, 1025), (512, 256), (1000,)]  # sliced by rows, whole, padded blocks
     torch.manual_seed(0)

@@ -111,7 +111,8 @@ def encode(
 ) -> None:
     """Write the fp32 matrix ``value`` into the stored parts (in place); ``seed``: the stream of
     a stochastic format's draws (unused by the others). ``keep``: a one-element bool tensor;
-    where it is False every part keeps what it holds (a step skipped on the device)."""
+    where it is False every part keeps what it holds (a step skipped on the device). Ternary
+    moments are encoded in phases instead (below), one compiled call each."""
     if storage.kind == "fp32":
         store(parts[""].view(value.shape), value, keep)
     elif storage.kind == "bf16":
@@ -120,15 +121,13 @@ def encode(
         ceiling = FLOAT32_MAX / max(value.shape[0], value.shape[1])
         store(parts["row"], value.mean(dim=-1).clamp(max=ceiling), keep)
         store(parts["col"], value.mean(dim=-2).clamp(max=ceiling), keep)
-    elif storage.kind == "blockwise":
+    else:
         blocks = (
             value
             if value.shape == blocks_shape(parts, storage)
             else _pad(value.reshape(-1), storage.block_size)
         )
         _encode_blockwise(blocks, parts, storage, table, keep)
-    else:
-        _encode_ternary(value, parts, storage, seed, keep)
 
 
 def store(target: Tensor, value: Tensor, keep: Tensor | None) -> None:
@@ -157,13 +156,6 @@ def _encode_blockwise(
         codes = codes[0::2] | (codes[1::2] << 4)
     store(parts["codes"].view(-1), codes.to(torch.uint8), keep)
     store(parts["absmax"], absmax, keep)
-
-
-def _encode_ternary(
-    value: Tensor, parts: dict[str, Tensor], storage: Storage, seed: Tensor, keep: Tensor | None
-) -> None:
-    ternary_scales(value, parts, storage, keep)
-    ternary_codes(value, ternary_exponents(value, parts, storage, keep), parts, storage, seed, keep)
 
 
 # Ternary encoding in three phases, each one pass over the new moment that ends in a reduction of

@@ -15,6 +15,9 @@ kernel runs on CPU tensors, which is how it is tested without a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -71,14 +74,7 @@ def adamw_step(
             args += [parts["codes"], parts["absmax"], *table, seed]
         else:
             args += [parts[""], hyper, hyper, hyper, seed]
-    if weights is None:
-        target, mode, weight_seed = direction, DIRECTION, hyper
-    elif weights.dtype.is_floating_point and weights.element_size() == 4:
-        target, mode, weight_seed = weights, WEIGHTS_FP32, hyper
-    elif len(seeds) > sum(storage.stochastic for storage in storages):  # a stream left for them
-        target, mode, weight_seed = weights, WEIGHTS_BF16_STOCHASTIC, next(streams)
-    else:
-        target, mode, weight_seed = weights, WEIGHTS_BF16, hyper
+    target, mode, weight_seed = parameter_target(weights, direction, streams, hyper)
     kinds = [_kind(storage) for storage in storages]
     _adamw_kernel[(triton.cdiv(numel, block),)](
         grad,
@@ -95,6 +91,20 @@ def adamw_step(
         HALF=block // 2,
     )
     return direction
+
+
+def parameter_target(
+    weights: Tensor | None, direction: Tensor | None, streams: Iterator[Tensor], hyper: Tensor
+) -> tuple[Tensor | None, int, Tensor]:
+    """What a kernel writes and how (its ``MODE``): the ``weights``, fp32 or bf16 (rounded
+    stochastically with the next of ``streams`` where one is left, else to nearest), or else the
+    ``direction``; and the weights' stream (``hyper`` stands in where there is none)."""
+    if weights is None:
+        return direction, DIRECTION, hyper
+    if weights.dtype == torch.float32:
+        return weights, WEIGHTS_FP32, hyper
+    stream = next(streams, None)
+    return (weights, WEIGHTS_BF16, hyper) if stream is None else (weights, WEIGHTS_BF16_STOCHASTIC, stream)
 
 
 def _kind(storage: Storage) -> int:

@@ -35,16 +35,7 @@ from torch import Tensor
 from slimopt.codecs.plain import FLOAT32_MAX
 from slimopt.codecs.ternary import EXPONENT_STEPS_PER_OCTAVE, TRITS_PER_BYTE, exponent_scale
 from slimopt.kernels.formats import Storage
-from slimopt.kernels.triton_adamw import (
-    DIRECTION,
-    WEIGHTS_BF16,
-    WEIGHTS_BF16_STOCHASTIC,
-    WEIGHTS_FP32,
-    _and,
-    _random_words,
-    _update,
-    _write,
-)
+from slimopt.kernels.triton_adamw import _and, _random_words, _update, _write, parameter_target
 from slimopt.memory import untracked
 
 # Tile sizes: rows of a strip, columns of a tile (one strip's row reductions stay in registers;
@@ -84,14 +75,9 @@ def adamw_step(
     direction = grad.new_empty(grad.shape) if weights is None else None
     first, second = moments
     block_size = storages[0].block_size
-    if weights is None:
-        target, mode, weight_seed = direction, DIRECTION, hyper
-    elif weights.dtype == torch.float32:
-        target, mode, weight_seed = weights, WEIGHTS_FP32, hyper
-    elif len(seeds) > 1:  # a stream left for the weights after the first moment's
-        target, mode, weight_seed = weights, WEIGHTS_BF16_STOCHASTIC, seeds[1]
-    else:
-        target, mode, weight_seed = weights, WEIGHTS_BF16, hyper
+    streams = iter(seeds)
+    first_seed = next(streams)  # the factored second moment draws nothing
+    target, mode, weight_seed = parameter_target(weights, direction, streams, hyper)
     masked = keep is not None
     keep = hyper if keep is None else keep
     strips = triton.cdiv(rows, STRIP_ROWS)
@@ -121,7 +107,7 @@ def adamw_step(
     )  # fmt: skip
     byte_rows = triton.cdiv(rows, TRITS_PER_BYTE)
     _digits[(triton.cdiv(byte_rows, STRIP_ROWS), column_strips)](
-        keep, value, first["row"], first["col"], first["exponents"], scales, seeds[0], first["trits"],
+        keep, value, first["row"], first["col"], first["exponents"], scales, first_seed, first["trits"],
         rows, cols, byte_rows,
         MASKED=masked, BLOCK=block_size, ROWS=STRIP_ROWS, COLUMNS=TILE_COLUMNS,
     )  # fmt: skip
