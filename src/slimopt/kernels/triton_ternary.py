@@ -11,7 +11,8 @@ next one needs:
    direction of a projected matrix), write the new first moment in fp32 to a scratch matrix (as
    the compiled step does), and reduce each row: the first moment's row scales, the second's row
    means, and per strip the second moment's column sums;
-2. by column strips: the first moment's column scales and the second's column means;
+2. by chunks of column strips: the first moment's column scales (an atomic maximum across
+   chunks) and the second's column means;
 3. by tiles of blocks: each block's exponent;
 4. by tiles of bytes: the digits, five rows to a byte, stochastically rounded with the draws of
    ``slimopt.codecs.draws`` by element, as the codec draws them.
@@ -44,6 +45,9 @@ STRIP_ROWS = 16
 TILE_COLUMNS = 64
 # Values read at a time when summing the second moment's row means.
 SUM_CHUNK = 1024
+# Rows of a program of pass 2 (a share of a column strip: thousands of programs on a large
+# matrix, where one program per strip would leave most of a GPU idle).
+CHUNK_ROWS = 256
 EXPONENTS = 256  # an exponent is one byte
 FLOAT32_MAX_ = tl.constexpr(FLOAT32_MAX)
 STEPS_PER_OCTAVE_ = tl.constexpr(EXPONENT_STEPS_PER_OCTAVE)
@@ -86,28 +90,33 @@ def adamw_step(
     value = grad.new_empty(grad.shape)
     row_means = grad.new_empty(rows)
     column_sums = grad.new_empty(strips, cols)
+    # The new column scales, gathered by atomic maxima of their bits (see _column_scales) into
+    # zeros that pass 1 writes.
+    col_max = torch.empty(cols, dtype=torch.int32, device=grad.device)
+    col_scale = col_max.view(torch.float32)
     ceiling = FLOAT32_MAX / max(rows, cols)  # the factored codec's saturation
     scales = _exponent_scales(grad.device)
     _update_strips[(strips,)](
         grad, target, weight_seed, hyper, keep, value,
         first["trits"], first["exponents"], first["row"], first["col"], scales,
-        second["row"], second["col"], row_means, column_sums, rows, cols, ceiling,
+        second["row"], second["col"], row_means, column_sums, col_max, rows, cols, ceiling,
         MODE=mode, MASKED=masked, BLOCK=block_size, ROWS=STRIP_ROWS, COLUMNS=TILE_COLUMNS, CHUNK=SUM_CHUNK,
     )  # fmt: skip
     column_strips = triton.cdiv(cols, TILE_COLUMNS)
-    _column_strips[(column_strips,)](
-        keep, value, first["row"], first["col"], second["row"], second["col"], row_means, column_sums,
+    _column_scales[(column_strips, triton.cdiv(rows, CHUNK_ROWS))](
+        keep, value, first["row"], col_max, second["row"], second["col"], row_means, column_sums,
         rows, cols, strips, triton.cdiv(rows, column_strips), ceiling,
-        MASKED=masked, ROWS=STRIP_ROWS, COLUMNS=TILE_COLUMNS,
+        MASKED=masked, ROWS=STRIP_ROWS, COLUMNS=TILE_COLUMNS, CHUNK_ROWS=CHUNK_ROWS,
     )  # fmt: skip
     block_rows = triton.cdiv(rows, block_size)
     _block_exponents[(triton.cdiv(block_rows, STRIP_ROWS), column_strips)](
-        keep, value, first["row"], first["col"], first["exponents"], scales, rows, cols, block_rows,
+        keep, value, first["row"], first["col"], col_scale, first["exponents"], scales,
+        rows, cols, block_rows,
         MASKED=masked, BLOCK=block_size, ROWS=STRIP_ROWS, COLUMNS=TILE_COLUMNS,
     )  # fmt: skip
     byte_rows = triton.cdiv(rows, TRITS_PER_BYTE)
     _digits[(triton.cdiv(byte_rows, STRIP_ROWS), column_strips)](
-        keep, value, first["row"], first["col"], first["exponents"], scales, first_seed, first["trits"],
+        keep, value, first["row"], col_scale, first["exponents"], scales, first_seed, first["trits"],
         rows, cols, byte_rows,
         MASKED=masked, BLOCK=block_size, ROWS=STRIP_ROWS, COLUMNS=TILE_COLUMNS,
     )  # fmt: skip
@@ -155,6 +164,7 @@ def _update_strips(
     v_col,
     row_means,
     column_sums,
+    col_max,
     rows,
     cols,
     ceiling,
@@ -165,8 +175,13 @@ def _update_strips(
     COLUMNS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """Pass 1: one strip of ``ROWS`` rows, tile by tile along them."""
+    """Pass 1: one strip of ``ROWS`` rows, tile by tile along them. The first strip also zeroes
+    ``col_max`` for pass 2 (nothing else reads it in this pass)."""
     strip = tl.program_id(0)
+    if strip == 0:
+        for start in range(0, cols, CHUNK):
+            chunk = start + tl.arange(0, CHUNK)
+            tl.store(col_max + chunk, tl.zeros([CHUNK], dtype=tl.int32), mask=chunk < cols)
     writes = _writes(keep, MASKED)
     row = strip * ROWS + tl.arange(0, ROWS)
     real_row = row < rows
@@ -212,11 +227,11 @@ def _update_strips(
 
 
 @triton.jit
-def _column_strips(
+def _column_scales(
     keep,
     value,
     m_row,
-    m_col,
+    col_max,
     v_row,
     v_col,
     row_means,
@@ -224,35 +239,42 @@ def _column_strips(
     rows,
     cols,
     strips,
-    rows_per_program,
+    rows_per_strip,
     ceiling,
     MASKED: tl.constexpr,
     ROWS: tl.constexpr,
     COLUMNS: tl.constexpr,
+    CHUNK_ROWS: tl.constexpr,
 ):
-    """Pass 2: one strip of ``COLUMNS`` columns: the first moment's column scales (of the
-    matrix divided by its new row scales) and the second's column means; it also stores a share
-    of the second moment's row means."""
+    """Pass 2: ``COLUMNS`` columns of ``CHUNK_ROWS`` rows: their share of the first moment's
+    column scales (maxima of the matrix divided by its new row scales), taken into ``col_max``
+    by an atomic maximum of the fp32 bit patterns (non-negative numbers order as their bits
+    do, and a maximum is the same in any order). The first chunk of each column strip also
+    sums the second moment's column means from the strips' sums and stores a share of its row
+    means."""
     program = tl.program_id(0)
     writes = _writes(keep, MASKED)
     col = program * COLUMNS + tl.arange(0, COLUMNS)
     real_col = col < cols
-    col_max = tl.zeros([COLUMNS], dtype=tl.float32)
-    for start in range(0, rows, ROWS):
+    largest = tl.zeros([COLUMNS], dtype=tl.float32)
+    for start in range(tl.program_id(1) * CHUNK_ROWS, (tl.program_id(1) + 1) * CHUNK_ROWS, ROWS):
         row = start + tl.arange(0, ROWS)
         real = (row < rows)[:, None] & real_col[None, :]
         m = _clamped(tl.load(value + row[:, None] * cols + col[None, :], mask=real, other=0.0))
         m = m / _nonzero(tl.load(m_row + row, mask=row < rows, other=1.0))[:, None]
-        col_max = tl.maximum(col_max, tl.max(tl.abs(m), 0))
-    tl.store(m_col + col, col_max, mask=_and(real_col, writes))
-    col_sum = tl.zeros([COLUMNS], dtype=tl.float32)
-    for strip in range(0, strips):
-        col_sum += tl.load(column_sums + strip * cols + col, mask=real_col, other=0.0)
-    tl.store(v_col + col, tl.minimum(col_sum / rows, ceiling), mask=_and(real_col, writes))
-    for start in range(program * rows_per_program, (program + 1) * rows_per_program, ROWS):
-        row = start + tl.arange(0, ROWS)
-        real_row = (row < rows) & (row < (program + 1) * rows_per_program)
-        tl.store(v_row + row, tl.load(row_means + row, mask=real_row, other=0.0), mask=_and(real_row, writes))
+        largest = tl.maximum(largest, tl.max(tl.abs(m), 0))
+    tl.atomic_max(col_max + col, largest.to(tl.int32, bitcast=True), mask=real_col)
+    if tl.program_id(1) == 0:
+        col_sum = tl.zeros([COLUMNS], dtype=tl.float32)
+        for strip in range(0, strips):
+            col_sum += tl.load(column_sums + strip * cols + col, mask=real_col, other=0.0)
+        tl.store(v_col + col, tl.minimum(col_sum / rows, ceiling), mask=_and(real_col, writes))
+        last = (program + 1) * rows_per_strip
+        for start in range(program * rows_per_strip, last, ROWS):
+            row = start + tl.arange(0, ROWS)
+            real_row = (row < rows) & (row < last)
+            means = tl.load(row_means + row, mask=real_row, other=0.0)
+            tl.store(v_row + row, means, mask=_and(real_row, writes))
 
 
 @triton.jit
@@ -270,6 +292,7 @@ def _block_exponents(
     value,
     m_row,
     m_col,
+    col_scale,
     exponents,
     scales,
     rows,
@@ -281,16 +304,21 @@ def _block_exponents(
     COLUMNS: tl.constexpr,
 ):
     """Pass 3: the exponents of a tile of ``ROWS`` block rows × ``COLUMNS`` columns: each the
-    smallest whose scale is at least its block's largest scaled magnitude."""
+    smallest whose scale is at least its block's largest scaled magnitude. The first tile of
+    each column strip stores the strip's column scales (``col_scale``, from pass 2)."""
     writes = _writes(keep, MASKED)
     block = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
     real_col = col < cols
+    if tl.program_id(0) == 0:
+        tl.store(m_col + col, tl.load(col_scale + col, mask=real_col), mask=_and(real_col, writes))
     block_max = tl.zeros([ROWS, COLUMNS], dtype=tl.float32)
     for offset in range(0, BLOCK):
         row = block * BLOCK + offset
         real = (row < rows)[:, None] & real_col[None, :]
-        block_max = tl.maximum(block_max, tl.abs(_scaled(value, m_row, m_col, row, col, rows, cols, real)))
+        block_max = tl.maximum(
+            block_max, tl.abs(_scaled(value, m_row, col_scale, row, col, rows, cols, real))
+        )
     exponent = tl.ceil(tl.log2(block_max) * -STEPS_PER_OCTAVE_)
     exponent = tl.minimum(tl.maximum(exponent, 0.0), 255.0).to(tl.int32)
     exponent = tl.where(tl.load(scales + exponent) < block_max, exponent - 1, exponent)
@@ -303,7 +331,7 @@ def _digits(
     keep,
     value,
     m_row,
-    m_col,
+    col_scale,
     exponents,
     scales,
     seed,
@@ -331,7 +359,7 @@ def _digits(
         real = (row < rows)[:, None] & real_col[None, :]
         exponent = tl.load(exponents + (row // BLOCK)[:, None] * cols + col[None, :], mask=real, other=0)
         scale = tl.load(scales + exponent.to(tl.int32))
-        scaled = _scaled(value, m_row, m_col, row, col, rows, cols, real) / scale
+        scaled = _scaled(value, m_row, col_scale, row, col, rows, cols, real) / scale
         index = row[:, None] * cols + col[None, :]
         draws = ((_random_words(stream, index) >> 8) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216)
         sign = tl.where(scaled > 0, 1, tl.where(scaled < 0, -1, 0))
