@@ -7,7 +7,7 @@ Both moments' new scales are reductions over the whole matrix, and each scale di
 the next one is taken of, so a step is four launches, each a pass that ends in the reduction the
 next one needs:
 
-1. the update, by row strips: decode both moments, update them, write the parameter (or the
+1. the update, by strips of rows: decode both moments, update them, write the parameter (or the
    direction of a projected matrix), write the new first moment in fp32 to a scratch matrix (as
    the compiled step does), and reduce each row: the first moment's row scales, the second's row
    means, and per strip the second moment's column sums;
@@ -40,8 +40,9 @@ from slimopt.kernels.triton_adamw import _and, _random_words, _update, _write, p
 from slimopt.memory import untracked
 
 # Tile sizes: rows of a strip, columns of a tile (one strip's row reductions stay in registers;
-# the second moment's column sums are written once per strip).
-STRIP_ROWS = 16
+# the second moment's column sums are written once per strip). Strips of 8 rows give a
+# 2048-row matrix 256 programs in pass 1, about two per multiprocessor of a large GPU.
+STRIP_ROWS = 8
 TILE_COLUMNS = 64
 # Values read at a time when summing the second moment's row means.
 SUM_CHUNK = 1024
