@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections import Counter
 
 assert "TRITON_INTERPRET" not in os.environ, "run with TRITON_INTERPRET unset"
@@ -123,4 +122,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
