@@ -145,6 +145,7 @@ def _nonzero(scale):
 
 @triton.jit
 def _clamped(value):
+    """``value`` saturated at the largest fp32 number, as the codec clamps it before scaling."""
     return tl.minimum(tl.maximum(value, -FLOAT32_MAX_), FLOAT32_MAX_)
 
 
