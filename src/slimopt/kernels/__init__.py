@@ -230,15 +230,9 @@ def adamw_step(
     is False nothing stored changes and the direction is zero: a non-finite gradient is skipped
     without the host reading the decision (no synchronisation)."""
     matrix = grad.shape
-    if grad.device.type in TRITON_DEVICE_TYPES and triton_handles(storages):
-        from slimopt.kernels import triton_adamw
-
-        return triton_adamw.adamw_step(grad, moments, storages, tables, hyper, weights, seeds, keep)
-    if grad.device.type in TRITON_DEVICE_TYPES and _triton_installed():
-        from slimopt.kernels import triton_ternary
-
-        if triton_ternary.handles(storages):
-            return triton_ternary.adamw_step(grad, moments, storages, tables, hyper, weights, seeds, keep)
+    triton_step = triton_step_of(storages) if grad.device.type in TRITON_DEVICE_TYPES else None
+    if triton_step is not None:
+        return triton_step(grad, moments, storages, tables, hyper, weights, seeds, keep)
     if not any(storage.kind in formats.MATRIX_KINDS for storage in storages):
         # Elementwise storage: the step runs on flat vectors of dynamic length, one compiled
         # step for every shape (matrix index arithmetic of symbolic width is slower).
@@ -361,14 +355,23 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def triton_handles(storages: Storages) -> bool:
-    """Whether the hand-written Triton kernel (``triton_adamw``) covers moments stored as
-    ``storages``: elementwise formats, blocks of one (even) size where both are blockwise."""
-    elementwise = not any(storage.kind in formats.MATRIX_KINDS for storage in storages)
-    if not (elementwise and _triton_installed()):
-        return False
+def triton_step_of(storages: Storages) -> Callable[..., Tensor | None] | None:
+    """The hand-written Triton step (``adamw_step``'s arguments) that covers moments stored as
+    ``storages``, or None: ``triton_adamw``'s for elementwise formats (blocks of one even size
+    where both are blockwise), ``triton_ternary``'s for a ternary first moment with row and
+    column scales beside a factored second moment."""
+    if not _triton_installed():
+        return None
+    if any(storage.kind in formats.MATRIX_KINDS for storage in storages):
+        from slimopt.kernels import triton_ternary
+
+        return triton_ternary.adamw_step if triton_ternary.handles(storages) else None
     sizes = {storage.block_size for storage in storages if storage.kind == "blockwise"}
-    return len(sizes) <= 1 and all(size % 2 == 0 for size in sizes)
+    if len(sizes) > 1 or any(size % 2 for size in sizes):
+        return None
+    from slimopt.kernels import triton_adamw
+
+    return triton_adamw.adamw_step
 
 
 def _compiled(function: Callable[..., Any]) -> Callable[..., Any]:

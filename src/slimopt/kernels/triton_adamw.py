@@ -57,9 +57,9 @@ def adamw_step(
     seeds: tuple[Tensor, ...],
     keep: Tensor | None = None,
 ) -> Tensor | None:
-    """``slimopt.kernels.adamw_step`` for storages that ``slimopt.kernels.triton_handles``
-    accepts: the same arguments (flat or matrix tensors, contiguous), the direction returned
-    when ``weights`` is None."""
+    """``slimopt.kernels.adamw_step`` for the elementwise storages that
+    ``slimopt.kernels.triton_step_of`` gives it: the same arguments (flat or matrix tensors,
+    contiguous), the direction returned when ``weights`` is None."""
     numel = grad.numel()
     direction = grad.new_empty(grad.shape) if weights is None else None
     if numel == 0:
