@@ -70,3 +70,30 @@ def test_relative_step_follows_the_parameter_step_through_a_moment_reset() -> No
     # RMS(Δ) ∝ lr_t = 1e-6 · t; steps 10 and 20 (0-based) come right after a reset.
     for step in (9, 10, 11, 20, 21):
         assert sizes[step] / sizes[step - 1] == pytest.approx((step + 1) / step, rel=1e-3), step
+
+
+@pytest.mark.parametrize(
+    "hyper",
+    [
+        {"lr": None, "relative_step": True, "scale_parameter": True, "beta1": None},
+        {"lr": 1e-2, "relative_step": False, "scale_parameter": False, "beta1": 0.9},
+    ],
+)
+def test_float64_parameters_match_hugging_face_adafactor_in_float64(hyper) -> None:
+    """A float64 parameter used to raise in the RMS (``vector_norm`` will not narrow float64 to
+    fp32); slimopt's fp32 arithmetic now follows the reference's float64 to fp32 precision."""
+    shapes = [(24, 40), (40,)]
+    torch.manual_seed(0)
+    ours = [torch.randn(s, dtype=torch.float64, requires_grad=True) for s in shapes]
+    theirs = [p.detach().clone().requires_grad_() for p in ours]
+    optimizer = GaLoreAdafactor(ours, **hyper)
+    reference = transformers_optimization.Adafactor(theirs, **hyper)
+    for step in range(20):
+        for p, q, shape in zip(ours, theirs, shapes, strict=True):
+            p.grad = gradient(step, shape).double()
+            q.grad = gradient(step, shape).double()
+        optimizer.step()
+        reference.step()
+    for p, q in zip(ours, theirs, strict=True):
+        assert p.dtype == torch.float64
+        assert relative_error(p.detach(), q.detach()) <= 1e-5

@@ -367,6 +367,36 @@ def test_an_experts_checkpoint_loads_into_another_storage_format() -> None:
         assert torch.equal(loading.basis(unit, group).right, saved.basis(twin, group).right)
 
 
+def test_an_expert_without_state_yet_decodes_to_zero_moments() -> None:
+    """No token reached expert 1 on the first step (an all-zero gradient: no basis, no state):
+    ``decoded_state`` stacks the other experts' moments and zeros for it, the moments its first
+    update starts from, instead of raising ``KeyError``; the skip is not a non-finite one."""
+    weight = torch.nn.Parameter(torch.randn(3, 24, 16))
+    optimizer = slimopt.GaLoreAdamW([{"params": [weight], "experts": True, "rank": 4}], lr=1e-2)
+    grad = torch.randn(3, 24, 16)
+    grad[1] = 0
+    weight.grad = grad
+    with pytest.warns(RuntimeWarning, match="expert 1 .* no projection basis could be computed yet"):
+        optimizer.step()
+    decoded = optimizer.decoded_state(weight)
+    assert set(decoded) == {"exp_avg", "exp_avg_sq"}
+    assert decoded["exp_avg"].shape == (3, 24, 4)
+    assert decoded["exp_avg"][0].abs().sum() > 0 and decoded["exp_avg"][1].abs().sum() == 0
+    assert optimizer.state[weight]["expert1.nonfinite_skips"] == 0
+
+
+def test_a_group_of_experts_added_in_layerwise_mode_is_refused_as_at_construction() -> None:
+    model = mixtral()
+    experts = [p for p in model.parameters() if p.dim() == 3]
+    others = [p for p in model.parameters() if p.dim() != 3]
+    optimizer = slimopt.GaLoreAdamW(others, lr=1e-3)
+    handle = slimopt.layerwise(optimizer)
+    with pytest.raises(ValueError, match="layer-wise updates do not cover per-expert projection"):
+        optimizer.add_param_group({"params": experts, "rank": 4, "experts": True})
+    assert len(optimizer.param_groups) == 1
+    handle.remove()
+
+
 @pytest.mark.slow
 def test_the_architectures_benchmark_runs_end_to_end(tmp_path) -> None:
     """``python -m benchmarks.architectures --tiny``: two families (GPT-2, Mixtral) and the QLoRA

@@ -141,3 +141,61 @@ def test_parameters_without_gradients_are_left_alone() -> None:
     used.grad = torch.randn(6, 4)
     optimizer.step()
     assert len(optimizer.state[unused]) == 0
+
+
+def _twin_steps(first, second, params_first, params_second, steps=3, seed=0):
+    for step in range(steps):
+        for p, q in zip(params_first, params_second, strict=True):
+            grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + 10 * step))
+            p.grad, q.grad = grad.to(p.dtype), grad.to(q.dtype)
+        first.step()
+        second.step()
+
+
+def test_a_group_of_another_rule_takes_that_rules_defaults() -> None:
+    """``rule="adafactor"`` inside TACO and ``rule="adamw"`` inside GaLoreAdafactor used to
+    raise ``KeyError`` at construction (the rule's hyperparameters were never filled in); such a
+    group now steps exactly as the rule's own optimizer does."""
+    from slimopt import TACO
+
+    torch.manual_seed(0)
+    weight = torch.randn(24, 16, requires_grad=True)
+    twin = weight.detach().clone().requires_grad_()
+    mixed = TACO([{"params": [weight], "rule": "adafactor"}], lr=1e-2)
+    own = GaLoreAdafactor([twin], lr=1e-2)
+    assert mixed.param_groups[0]["eps"] == own.param_groups[0]["eps"] == (1e-30, 1e-3)
+    _twin_steps(mixed, own, [weight], [twin])
+    assert torch.equal(weight, twin)
+
+    weight = torch.randn(24, 16, requires_grad=True)
+    twin = weight.detach().clone().requires_grad_()
+    mixed = GaLoreAdafactor([{"params": [weight], "rule": "adamw", "lr": 1e-3}])
+    own = GaLoreAdamW([twin], lr=1e-3, weight_decay=0.0)  # GaLoreAdafactor's weight decay
+    assert mixed.param_groups[0]["eps"] == 1e-8 and mixed.param_groups[0]["betas"] == (0.9, 0.999)
+    _twin_steps(mixed, own, [weight], [twin])
+    assert torch.equal(weight, twin)
+    with pytest.raises(ValueError, match="param group 0: lr is required: AdamW has no relative step size"):
+        GaLoreAdafactor([{"params": [weight], "rule": "adamw"}])
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_optimizer_steps_as_the_original(how) -> None:
+    """``copy.deepcopy`` and pickle (``torch.save(optimizer)``) keep only torch.optim's
+    attributes; the copy used to fail with ``AttributeError: _decisions`` at ``step()``."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    params = [torch.randn(32, 24, requires_grad=True), torch.randn(24, requires_grad=True)]
+    optimizer = GaLoreAdamW([{"params": params[:1], "rank": 4}, {"params": params[1:]}], states="int8")
+    _twin_steps(optimizer, optimizer, params, params, steps=1)
+    copied = (
+        copy.deepcopy((params, optimizer))
+        if how == "deepcopy"
+        else pickle.loads(pickle.dumps((params, optimizer)))
+    )
+    copied_params, copied_optimizer = copied
+    _twin_steps(optimizer, copied_optimizer, params, copied_params, steps=3, seed=5)
+    for p, q in zip(params, copied_params, strict=True):
+        assert torch.equal(p, q)
+    assert copied_optimizer.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()

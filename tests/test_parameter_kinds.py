@@ -183,6 +183,7 @@ def test_an_all_zero_first_gradient_waits_for_a_real_one() -> None:
     param.grad = torch.zeros(64, 96)
     with pytest.warns(RuntimeWarning, match="no projection basis could be computed yet"):
         optimizer.step()
+    assert optimizer.state[param]["nonfinite_skips"] == 0  # nothing was non-finite
     param.grad = gradient(0, (64, 96))
     optimizer.step()
     basis = optimizer.state[param]["basis_left"]

@@ -109,3 +109,33 @@ def test_sliced_ternary_trains_and_resumes_exactly(small_slices) -> None:
     state = optimizer.state[param]
     assert state["exp_avg.col"].numel() == 4 * 128  # column scales per slice of 32 rows
     assert torch.isfinite(whole).all()
+
+
+# Bytes per parameter of both moments, from the formats' definitions (codecs/__init__.py): bf16
+# 2 + 2; int8 1 + 1 codes and an fp32 scale per block of 256 each; int4 half a byte each and a
+# scale per block of 128; ternary 5 digits a byte and a block-of-8 exponent byte, its scales and
+# the factored second moment's row and column means (4 bytes per row and per column).
+def _expected_bytes(states: str, rows: int, cols: int) -> float:
+    numel = rows * cols
+    per_element = {"bf16": 4.0, "int8": 2 * (1 + 4 / 256), "int4": 2 * (0.5 + 4 / 128)}
+    if states in per_element:
+        return per_element[states]
+    return (-(-rows // 5) * cols + -(-rows // 8) * cols + 4 * (rows + cols) * 2) / numel
+
+
+@pytest.mark.parametrize("states", ["bf16", "int8", "int4", "ternary"])
+def test_a_small_last_slice_keeps_the_matrix_storage_format(states) -> None:
+    """2049×2048 (a 49,153-token vocabulary's shape): slices of 2048 rows leave one row of 2048
+    elements, under the size at which moments stay fp32. It used to be stored alone in fp32, at
+    the whole matrix's size (bf16 8.00, int8 10.03, int4 9.06, ternary 8.33 bytes per parameter);
+    it now joins the slice before it."""
+    rows, cols = 2049, 2048
+    assert rows * cols > row_storage.SLICE_NUMEL
+    param = torch.zeros(rows, cols, requires_grad=True)
+    optimizer = GaLoreAdamW([param], lr=1e-3, states=states)
+    param.grad = gradient(0, (rows, cols))
+    optimizer.step()
+    assert state_nbytes(optimizer) / param.numel() == pytest.approx(
+        _expected_bytes(states, rows, cols), rel=2e-3
+    )
+    assert torch.isfinite(param).all()

@@ -248,3 +248,62 @@ def test_ternary_moments_of_the_element_order_layout_are_refused() -> None:
     message = r"parameter 0: its ternary moment 'exp_avg' was saved .* states='fp32'"
     with pytest.raises(ValueError, match=message):
         loader.load_state_dict(state_dict)
+
+
+def test_a_state_dict_with_more_param_groups_is_refused_as_torch_refuses_it() -> None:
+    """torch.optim raises for a different number of groups; slimopt used to drop the extra
+    group silently and keep its state as a stray entry."""
+    first, second = torch.randn(8, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    saved = GaLoreAdamW([{"params": [first]}, {"params": [second]}], lr=1e-3)
+    _steps([first, second], saved, 0, 1)
+    loader = GaLoreAdamW([first], lr=1e-3)
+    with pytest.raises(ValueError, match="the state dict has 2 param groups, this optimizer 1"):
+        loader.load_state_dict(roundtrip(saved.state_dict()))
+    assert not loader.state
+    with pytest.raises(
+        ValueError, match="param group 0 of the state dict has 2 parameters, this optimizer's 1"
+    ):
+        loader.load_state_dict(roundtrip(GaLoreAdamW([first, second], lr=1e-3).state_dict()))
+
+
+def test_a_taco_state_dict_is_refused_by_adamw_at_load() -> None:
+    """TACO's groups carry AdamW's hyperparameters (for its fallback), so only its state tells
+    it apart: its sketch used to load into GaLoreAdamW and fail at the next step."""
+    from slimopt import TACO
+
+    weight = torch.randn(16, 16, requires_grad=True)
+    saved = TACO([weight], lr=1e-3)
+    _steps([weight], saved, 0, 1)
+    loader = GaLoreAdamW([weight], lr=1e-3)
+    with pytest.raises(ValueError, match=r"sketch_rows.*which AdamWRule does not keep.*another update rule"):
+        loader.load_state_dict(roundtrip(saved.state_dict()))
+    assert not loader.state
+
+
+@pytest.mark.parametrize("saved_experts", [True, False])
+def test_the_experts_layout_cannot_change_on_load(saved_experts) -> None:
+    experts = torch.randn(3, 8, 8, requires_grad=True)
+    saved = GaLoreAdamW([{"params": [experts], "rank": 2, "experts": saved_experts}], lr=1e-3)
+    _steps([experts], saved, 0, 1)
+    loader = GaLoreAdamW([{"params": [experts], "rank": 2, "experts": not saved_experts}], lr=1e-3)
+    with pytest.raises(ValueError, match=f"saved with experts={saved_experts}, this optimizer has experts"):
+        loader.load_state_dict(roundtrip(saved.state_dict()))
+    assert loader.param_groups[0]["experts"] is (not saved_experts)
+
+
+def test_a_tensor_step_as_torch_optim_keeps_it_loads_and_resumes_exactly() -> None:
+    """torch.optim keeps ``step`` as a 0-d tensor; a state dict in that form used to load and
+    then fail in ``manual_seed`` at the next stochastically rounded step."""
+    params = _params()
+    original = GaLoreAdamW(params, lr=1e-3, states="bf16")
+    _steps(params, original, 0, 2)
+    state_dict = roundtrip(original.state_dict())
+    for state in state_dict["state"].values():
+        state["step"] = torch.tensor(float(state["step"]))
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    resumed = GaLoreAdamW(copies, lr=1e-3, states="bf16")
+    resumed.load_state_dict(state_dict)
+    _steps(params, original, 2, 2)
+    _steps(copies, resumed, 2, 2)
+    for ours, theirs in zip(copies, params, strict=True):
+        assert torch.equal(ours, theirs)

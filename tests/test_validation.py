@@ -30,10 +30,17 @@ def groups(**projected):
             {"rank": 4, "on_subspace_change": "drop"},
             "unknown on_subspace_change 'drop'; valid: keep, reset, rotate",
         ),
-        ({"lr": -1.0}, "param group 1: lr must be >= 0, got -1.0"),
+        ({"lr": -1.0}, "param group 1: lr must be a finite number >= 0, got -1.0"),
+        ({"lr": float("nan")}, "param group 1: lr must be a finite number >= 0, got nan"),
+        ({"lr": "0.1"}, "param group 1: lr must be a finite number >= 0, got '0.1'"),
         ({"betas": (0.9, 1.0)}, r"betas\[1\] must be in \[0, 1\), got 1.0"),
         ({"betas": (-0.1, 0.9)}, r"betas\[0\] must be in \[0, 1\), got -0.1"),
-        ({"weight_decay": -0.1}, "weight_decay must be >= 0, got -0.1"),
+        ({"weight_decay": -0.1}, "weight_decay must be a finite number >= 0, got -0.1"),
+        ({"weight_decay": None}, "weight_decay must be a finite number >= 0, got None"),
+        ({"eps": None}, "eps must be a finite number >= 0, got None"),
+        ({"betas": (0.9, None)}, r"betas\[1\] must be in \[0, 1\), got None"),
+        ({"rank": 4, "scale": float("inf")}, "scale must be a finite number > 0, got inf"),
+        ({"rank": 4, "scale": 0}, "scale must be a finite number > 0, got 0"),
     ],
 )
 def test_bad_group_values_raise_value_error(options, message) -> None:
@@ -42,7 +49,7 @@ def test_bad_group_values_raise_value_error(options, message) -> None:
 
 
 def test_bad_constructor_defaults_name_group_zero() -> None:
-    with pytest.raises(ValueError, match=r"param group 0: lr must be >= 0, got -0\.5"):
+    with pytest.raises(ValueError, match=r"param group 0: lr must be a finite number >= 0, got -0\.5"):
         GaLoreAdamW([torch.randn(3, 3)], lr=-0.5)
     with pytest.raises(ValueError, match="param group 0: unknown proj_type 'middle'"):
         GaLoreAdamW([torch.randn(3, 3)], rank=2, proj_type="middle")
@@ -72,3 +79,29 @@ def test_build_optimizer_rejects_unknown_names_and_options() -> None:
     with pytest.raises(ValueError, match="param group 0: rank must be a positive integer"):
         build_optimizer(model, "galore_adamw", lr=1e-3, rank=0)
     assert available_optimizers()[:3] == ["adamw", "galore_adamw", "galore_adafactor"]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"lr": None}, "param group 0: lr is required: AdamW has no relative step size"),
+        ({"lr": 1e-3, "eps": None}, "param group 0: eps must be a finite number >= 0, got None"),
+        ({"lr": 1e-3, "weight_decay": None}, "weight_decay must be a finite number >= 0, got None"),
+        ({"lr": 1e-3, "rank": 8, "scale": float("inf")}, "scale must be a finite number > 0, got inf"),
+    ],
+)
+def test_build_optimizer_refuses_none_and_infinite_values_with_value_error(options, message) -> None:
+    """These used to raise raw ``TypeError``s from comparisons with None, or (scale=inf) to be
+    accepted and turn the weights to NaN at the first step."""
+    name = "galore_adamw" if "rank" in options else "adamw"
+    with pytest.raises(ValueError, match=message):
+        build_optimizer(tiny_llama(0), name, **options)
+
+
+def test_adafactor_refuses_values_that_are_not_numbers() -> None:
+    with pytest.raises(ValueError, match="clip_threshold must be a finite number > 0, got None"):
+        GaLoreAdafactor([torch.randn(3, 3)], clip_threshold=None)
+    with pytest.raises(ValueError, match=r"eps must be a pair of non-negative floats, got \(None, 0\.001\)"):
+        GaLoreAdafactor([torch.randn(3, 3)], eps=(None, 1e-3))
+    with pytest.raises(ValueError, match="decay_rate must be < 0, got None"):
+        GaLoreAdafactor([torch.randn(3, 3)], decay_rate=None)

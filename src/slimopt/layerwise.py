@@ -70,6 +70,17 @@ def check_refresh_from(value: str, layer_wise: bool = True, remedy: str = "") ->
         raise ValueError(f"refresh_from={value!r} is a layer-wise option: {remedy}")
 
 
+def _refuse_experts(groups: list[tuple[int, dict[str, Any]]]) -> None:
+    """Raise ``ValueError`` naming the (index, group) pairs with ``experts=True``."""
+    experts = [group.get("name", f"group {i}") for i, group in groups if group["experts"]]
+    if experts:
+        raise ValueError(
+            f"layer-wise updates do not cover per-expert projection (param groups {experts} have "
+            "experts=True); step the optimizer after backward, or project the experts as whole "
+            "tensors in another optimizer"
+        )
+
+
 class LayerwiseHandle:
     """The hooks of one layer-wise optimizer; ``remove()`` (or leaving a ``with`` block)
     restores normal stepping with ``optimizer.step()``."""
@@ -82,14 +93,7 @@ class LayerwiseHandle:
         scheduler: Any,
         refresh_from: str,
     ) -> None:
-        groups = enumerate(optimizer.param_groups)
-        experts = [group.get("name", f"group {i}") for i, group in groups if group["experts"]]
-        if experts:
-            raise ValueError(
-                f"layer-wise updates do not cover per-expert projection (param groups {experts} have "
-                "experts=True); step the optimizer after backward, or project the experts as whole "
-                "tensors in another optimizer"
-            )
+        _refuse_experts(list(enumerate(optimizer.param_groups)))
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
@@ -108,6 +112,13 @@ class LayerwiseHandle:
         self._watched: set[Tensor] = set()
         self.watch(list(self._groups))
         optimizer.attach_layerwise(self)
+
+    def admit(self, group: dict[str, Any]) -> None:
+        """Train a param group added while layer-wise (the optimizer's ``add_param_group`` calls
+        this): hook its parameters. Raises ``ValueError`` for a group layer-wise mode cannot
+        update, as at construction (``experts=True``, non-leaf tensors)."""
+        _refuse_experts([(len(self.optimizer.param_groups) - 1, group)])
+        self.watch(group["params"])
 
     def watch(self, params: list[Tensor]) -> None:
         """Hook ``params`` (the optimizer calls this for a group added while layer-wise).

@@ -34,11 +34,88 @@ STORAGE_KEYS = ("states", "block_size", "basis_states")
 # differentiable set to True are refused first).
 TORCH_ADAM_ONLY = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
 TORCH_ADAM_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}
+# State that every slimopt parameter keeps whatever its rule: counts, seeds, refresh schedule, basis.
+COUNTERS = ("step", "moment_step", "nonfinite_skips", "seed", "refresh_offset")
+SHELL_KEYS = {*COUNTERS, "basis_left", "basis_right"}
 
 
 def is_slimopt_state_dict(state_dict: dict[str, Any]) -> bool:
     """Whether ``state_dict`` was written by a slimopt optimizer (its groups name a storage)."""
     return all("states" in group for group in state_dict["param_groups"])
+
+
+def check_groups(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None:
+    """Raise ``ValueError`` unless ``state_dict`` has the optimizer's number of param groups,
+    each with as many parameters (as ``torch.optim.Optimizer.load_state_dict`` does), and state
+    only for parameters its groups list."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the state dict has {len(saved_groups)} param groups, this optimizer "
+            f"{len(optimizer.param_groups)}"
+        )
+    for index, (saved, current) in enumerate(zip(saved_groups, optimizer.param_groups, strict=True)):
+        if len(saved["params"]) != len(current["params"]):
+            raise ValueError(
+                f"param group {index} of the state dict has {len(saved['params'])} parameters, "
+                f"this optimizer's {len(current['params'])}"
+            )
+    listed = {param_id for group in saved_groups for param_id in group["params"]}
+    stray = sorted(set(state_dict["state"]) - listed, key=str)
+    if stray:
+        raise ValueError(f"the state dict has state for parameters {stray} that none of its groups lists")
+
+
+def integer_counters(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with its step counts and seeds as Python integers: torch.optim keeps
+    ``step`` as a 0-d tensor, and a state dict edited into that form loads as well."""
+    state = {}
+    for param_id, saved in state_dict["state"].items():
+        state[param_id] = {
+            key: int(value.item())
+            if key.rsplit(".", 1)[-1] in COUNTERS and isinstance(value, Tensor)
+            else value
+            for key, value in saved.items()
+        }
+    return {**state_dict, "state": state}
+
+
+def check_state_keys(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None:
+    """Raise ``ValueError`` when a parameter's saved state holds what the update rule of its
+    group would not keep (a state dict of an optimizer with another rule: TACO's sketch loaded
+    into AdamW would fail at the next step instead)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ordinal = 0
+    for saved_group, current in zip(state_dict["param_groups"], optimizer.param_groups, strict=True):
+        rule = optimizer.rule_of(saved_group)
+        group = {**saved_group, "params": current["params"]}
+        for saved_id in saved_group["params"]:
+            param = params[ordinal]
+            ordinal += 1
+            kept = _rule_keys(optimizer, rule, param, group)
+            saved = state_dict["state"].get(saved_id, {})
+            foreign = sorted(key for key in saved if _root(key) not in kept and _root(key) not in SHELL_KEYS)
+            if foreign:
+                raise ValueError(
+                    f"parameter {ordinal - 1} {tuple(param.shape)}: the state dict holds "
+                    f"{', '.join(foreign[:4])}, which {type(rule).__name__} does not keep: it was "
+                    f"saved by an optimizer with another update rule than {type(optimizer).__name__}'s"
+                )
+
+
+def _rule_keys(optimizer: GaLoreOptimizer, rule: Any, param: Tensor, group: dict[str, Any]) -> set[str]:
+    """The keys of the state ``rule`` creates for ``param`` (each expert's, with experts)."""
+    shape = param.shape[1:] if group["experts"] else param.shape
+    gradient = torch.empty(shape, device="meta")
+    return set(rule.init_state(gradient, group, projected=optimizer.projects(param, group)))
+
+
+def _root(key: str) -> str:
+    """The name of the moment or counter a state key stores (``expert2.exp_avg.codes``: exp_avg)."""
+    parts = key.split(".")
+    if parts[0].startswith("expert") and parts[0][len("expert") :].isdigit():
+        parts = parts[1:]
+    return parts[0]
 
 
 def from_torch_adam(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -52,11 +129,6 @@ def from_torch_adam(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> d
     if not isinstance(optimizer.rule, AdamWRule):
         raise ValueError(f"this state dict is not a slimopt one; {name} can load only its own")
     saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(
-            f"the state dict has {len(saved_groups)} param groups, this optimizer "
-            f"{len(optimizer.param_groups)}"
-        )
     params = [p for group in optimizer.param_groups for p in group["params"]]
     ordinals = {}
     groups = []
@@ -147,7 +219,7 @@ def check_layout(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None
                 f"param group {index} of the state dict has no {', '.join(missing)}: it was saved by "
                 f"an optimizer with another update rule than {type(optimizer).__name__}'s"
             )
-        for key in ("rank", "proj_type"):
+        for key in ("rank", "proj_type", "experts"):
             if saved.get(key) != current.get(key):
                 raise ValueError(
                     f"param group {index}: the state dict was saved with {key}={saved.get(key)!r}, this "

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from slimopt import kernels, loading
+from slimopt.checks import number_error
 from slimopt.codecs import MIN_COMPRESSED_NUMEL, STATE_FORMATS, moment_codec, state_key
 from slimopt.codecs.draws import stream_seed
 from slimopt.codecs.plain import round_to_bf16_stochastically
@@ -95,6 +96,9 @@ class GaLoreOptimizer(Optimizer):
 
     rule: ClassVar[UpdateRule]
     default_states: ClassVar[str] = "fp32"
+    # Hyperparameters of another rule that this optimizer's constructor takes for its groups of
+    # that rule (TACO's betas and eps, for its AdamW fallback), by rule name.
+    rule_defaults: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __init__(
         self,
@@ -108,26 +112,56 @@ class GaLoreOptimizer(Optimizer):
             raise TypeError(f"unknown option(s) {', '.join(unknown)}; valid options: {', '.join(valid)}")
         if options.get("rank") is None:
             options.pop("rank", None)
+        self._reset_private()
+        storage = {**STORAGE_DEFAULTS, "states": self.default_states}
+        super().__init__(params, {**defaults, "rule": None, **PROJECTION_DEFAULTS, **storage, **options})
+
+    def _reset_private(self) -> None:
+        """What the shell keeps besides torch.optim's defaults, state and groups: caches and
+        links to this process's run, which a copy (``copy.deepcopy``, pickle) starts without."""
         self._ordinals: dict[Tensor, tuple[int, int, int]] | None = None
         self._shardings: dict[Tensor, RowSharding | None] = {}  # DTensors split by rows
         self._layerwise: Any = None  # the active slimopt.layerwise handle
         self._refresh_group: Any = None  # spread_refreshes: the processes that share refresh work
         self._decisions = Decisions()  # fused updates under finite flags not yet read (slimopt.finite)
-        storage = {**STORAGE_DEFAULTS, "states": self.default_states}
-        super().__init__(params, {**defaults, "rule": None, **PROJECTION_DEFAULTS, **storage, **options})
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch.optim's picklable state; device flags of skipped steps not yet read are
+        counted first, so the copy's counts are the original's."""
+        self._settle_skips()
+        return super().__getstate__()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a pickled or deep-copied optimizer; it is not in layer-wise mode (the hooks
+        belong to the original) and computes every basis itself (``spread_refreshes`` is not
+        carried over: a process group cannot be copied)."""
+        super().__setstate__(state)
+        self._reset_private()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (see ``torch.optim.Optimizer``); raises ``ValueError`` for bad hyperparameters."""
+        """Add a group (see ``torch.optim.Optimizer``); raises ``ValueError`` for bad hyperparameters.
+
+        A group whose ``rule`` is not this optimizer's own takes that rule's defaults for the
+        hyperparameters it does not set (``rule_defaults``), and this optimizer's ``lr`` and
+        ``weight_decay``."""
+        rule = param_group.get("rule")
+        if rule in RULES and type(RULES[rule]) is not type(self.rule):
+            for key, value in RULES[rule].defaults.items():
+                if key not in self.rule_defaults.get(rule, ()):
+                    param_group.setdefault(key, value)
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
-        errors = self._group_errors(self.param_groups[index])
+        group = self.param_groups[index]
+        if group.get("relative_step", False) is None:  # Adafactor's: relative exactly without an lr
+            group["relative_step"] = group["lr"] is None
+        errors = self._group_errors(group)
         if errors:
             self.param_groups.pop()
             raise ValueError(f"param group {index}: " + "; ".join(errors))
         self._ordinals = None
         if self._layerwise is not None:  # layer-wise mode trains the new parameters too
             try:
-                self._layerwise.watch(self.param_groups[index]["params"])
+                self._layerwise.admit(group)
             except ValueError:
                 self.param_groups.pop()
                 raise
@@ -394,27 +428,36 @@ class GaLoreOptimizer(Optimizer):
         parameters to bf16 and break exact resumption.
         """
         self._settle_skips()  # counts of the steps before; the loaded ones replace them
+        # torch.optim's hooks, run here around slimopt's own checks and conversions: a pre hook
+        # may rewrite the state dict before it is checked, a post hook sees the loaded state.
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            rewritten = hook(self, state_dict)
+            state_dict = state_dict if rewritten is None else rewritten
+        loading.check_groups(self, state_dict)
         if not loading.is_slimopt_state_dict(state_dict):
             state_dict = loading.from_torch_adam(self, state_dict)
-        state_dict = loading.fill_new_options(self, state_dict)
+        state_dict = loading.integer_counters(loading.fill_new_options(self, state_dict))
         # fused is how this optimizer runs here (the device, the compiler), not a setting of the
         # run: each group keeps its own, as it keeps its storage format.
-        groups = zip(state_dict["param_groups"], self.param_groups, strict=False)
+        groups = zip(state_dict["param_groups"], self.param_groups, strict=True)
         state_dict = {
             **state_dict,
             "param_groups": [{**saved, "fused": own["fused"]} for saved, own in groups],
         }
         loading.check_layout(self, state_dict)
         loading.check_ternary_layout(state_dict)
-        pairs = zip(state_dict["param_groups"], self.param_groups, strict=False)
+        pairs = zip(state_dict["param_groups"], self.param_groups, strict=True)
         for index, (saved, current) in enumerate(pairs):
             errors = self._group_errors({**saved, "params": current["params"]})
             if errors:
                 raise ValueError(f"param group {index} of the state dict: " + "; ".join(errors))
+        loading.check_state_keys(self, state_dict)
         storage = [{key: group[key] for key in loading.STORAGE_KEYS} for group in self.param_groups]
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         saved_state = state_dict["state"]
-        super().load_state_dict(state_dict)
+        with _hooks_set_aside(self):
+            super().load_state_dict(state_dict)
         params = [p for group in self.param_groups for p in group["params"]]
         for saved_id, param in zip(saved_ids, params, strict=True):
             for key, value in saved_state.get(saved_id, {}).items():
@@ -422,6 +465,8 @@ class GaLoreOptimizer(Optimizer):
                     self.state[param][key] = value.to(device=param.device, copy=True)
         self._ordinals = None
         loading.restore_storage(self, storage)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     # The per-parameter API: what step() does for one parameter, in the pieces a caller that
     # updates parameters one at a time needs (slimopt.layerwise does so inside backward). Each
@@ -530,7 +575,9 @@ class GaLoreOptimizer(Optimizer):
             return _real(grad), None
         basis = self.refreshed_basis(param, group, grad)
         if basis is None:
-            self._skip(param, state, "no projection basis could be computed yet")
+            # Not a non-finite gradient (an all-zero one, an expert no token reached): warned
+            # about, not counted in nonfinite_skips.
+            self._warn(param, state, "no projection basis could be computed yet; update skipped")
             return None
         return project(_as_matrix(grad), basis), basis
 
@@ -870,7 +917,13 @@ class GaLoreOptimizer(Optimizer):
             return self._decoded(param, group, self.state_of(param), param.shape, None)
         if group["experts"]:  # each expert's, stacked along the first dimension
             decoded = [self.decoded_state(unit) for unit in self.units(param, group)]
-            return {key: torch.stack([d[key] for d in decoded]) for key in decoded[0]}
+            # An expert not updated yet (no tokens routed to it, no basis yet) has the zero
+            # moments its first update would start from.
+            like = next((d for d in decoded if d), {})
+            return {
+                key: torch.stack([d[key] if d else torch.zeros_like(value) for d in decoded])
+                for key, value in like.items()
+            }
         sharding = self._sharding(param)
         rows = None if sharding is None else sharding.rows
         return self._decoded(param, group, self.state.get(param, {}), _values(param).shape, rows)
@@ -1115,6 +1168,23 @@ class GaLoreOptimizer(Optimizer):
 EXPERT_SEED_STRIDE = 100_003
 
 
+@contextmanager
+def _hooks_set_aside(optimizer: Optimizer) -> Iterator[None]:
+    """``optimizer`` without its load_state_dict hooks for a while (``load_state_dict`` runs
+    them itself, around its own checks)."""
+    pre, post = (
+        optimizer._optimizer_load_state_dict_pre_hooks,
+        optimizer._optimizer_load_state_dict_post_hooks,
+    )
+    optimizer._optimizer_load_state_dict_pre_hooks = type(pre)()
+    optimizer._optimizer_load_state_dict_post_hooks = type(post)()
+    try:
+        yield
+    finally:
+        optimizer._optimizer_load_state_dict_pre_hooks = pre
+        optimizer._optimizer_load_state_dict_post_hooks = post
+
+
 def _give_up_auto(error: Exception, stacklevel: int) -> None:
     """Auto mode's answer to a fused step that did not compile: the reference path from now on
     (it promised only the fastest exact path, and the reference path is one), with a warning."""
@@ -1354,8 +1424,7 @@ def _projection_errors(group: dict[str, Any]) -> list[str]:
         errors.append(f"rank must be a positive integer, got {rank!r}")
     if isinstance(gap, bool) or not isinstance(gap, int) or gap <= 0:
         errors.append(f"update_proj_gap must be a positive integer, got {gap!r}")
-    if not isinstance(group["scale"], (int, float)) or not group["scale"] > 0:
-        errors.append(f"scale must be a positive number, got {group['scale']!r}")
+    errors += number_error("scale", group["scale"], strict=True)
     for key, valid in (
         ("proj_type", PROJ_TYPES),
         ("proj_method", PROJ_METHODS),
@@ -1368,8 +1437,7 @@ def _projection_errors(group: dict[str, Any]) -> list[str]:
 
 
 def _weight_decay_errors(group: dict[str, Any]) -> list[str]:
-    wd = group["weight_decay"]
-    return [] if wd >= 0 else [f"weight_decay must be >= 0, got {wd!r}"]
+    return number_error("weight_decay", group["weight_decay"])
 
 
 class GaLoreAdamW(GaLoreOptimizer):
@@ -1391,8 +1459,8 @@ class GaLoreAdamW(GaLoreOptimizer):
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
+        betas: tuple[float, float] = AdamWRule.defaults["betas"],
+        eps: float = AdamWRule.defaults["eps"],
         weight_decay: float = 1e-2,
         **options: Any,
     ) -> None:
@@ -1414,14 +1482,14 @@ class GaLoreAdafactor(GaLoreOptimizer):
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float | None = None,
-        eps: tuple[float, float] = (1e-30, 1e-3),
-        clip_threshold: float = 1.0,
-        decay_rate: float = -0.8,
-        beta1: float | None = None,
+        eps: tuple[float, float] = AdafactorRule.defaults["eps"],
+        clip_threshold: float = AdafactorRule.defaults["clip_threshold"],
+        decay_rate: float = AdafactorRule.defaults["decay_rate"],
+        beta1: float | None = AdafactorRule.defaults["beta1"],
         weight_decay: float = 0.0,
-        scale_parameter: bool = True,
-        relative_step: bool | None = None,
-        warmup_init: bool = False,
+        scale_parameter: bool = AdafactorRule.defaults["scale_parameter"],
+        relative_step: bool | None = AdafactorRule.defaults["relative_step"],
+        warmup_init: bool = AdafactorRule.defaults["warmup_init"],
         **options: Any,
     ) -> None:
         defaults = {
@@ -1468,6 +1536,7 @@ class TACO(GaLoreOptimizer):
     """
 
     rule = TACORule()
+    rule_defaults: ClassVar[dict[str, tuple[str, ...]]] = {"adamw": ("betas", "eps")}
 
     def __init__(
         self,
@@ -1477,9 +1546,9 @@ class TACO(GaLoreOptimizer):
         beta: float = TACO_DEFAULTS["beta"],
         sketch_values: str = TACO_DEFAULTS["sketch_values"],
         history: str = TACO_DEFAULTS["history"],
-        transposed: bool = False,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
+        transposed: bool = TACORule.defaults["transposed"],
+        betas: tuple[float, float] = AdamWRule.defaults["betas"],
+        eps: float = AdamWRule.defaults["eps"],
         weight_decay: float = 0.0,
         **options: Any,
     ) -> None:

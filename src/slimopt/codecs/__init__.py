@@ -33,11 +33,11 @@ from slimopt.codecs.blockwise import BlockwiseCodec
 from slimopt.codecs.factored import FactoredCodec
 from slimopt.codecs.maps import dynamic_map, linear_map_without_zero
 from slimopt.codecs.plain import Bf16Codec, Fp32Codec
+from slimopt.codecs.rows import MIN_COMPRESSED_NUMEL
 from slimopt.codecs.ternary import MIN_SCALED_LENGTH, TernaryCodec, scale_layout
 
 STATE_FORMATS = ("fp32", "bf16", "int8", "int4", "ternary")
 DEFAULT_BLOCK_SIZES = {"int8": 256, "int4": 128, "ternary": 8}
-MIN_COMPRESSED_NUMEL = 4096
 
 __all__ = [
     "DEFAULT_BLOCK_SIZES",

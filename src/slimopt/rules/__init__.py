@@ -27,6 +27,9 @@ class UpdateRule(Protocol):
     # whether each element's update depends only on that element (then a large matrix may be
     # updated a slice of rows at a time)
     elementwise: bool
+    # the rule's hyperparameters besides lr and weight_decay, with their defaults: a param group
+    # whose ``rule`` is not its optimizer's own takes these, not the optimizer's
+    defaults: dict[str, Any]
 
     def validate(self, group: dict[str, Any]) -> list[str]:
         """Return one message per invalid hyperparameter of ``group`` (empty when valid)."""

@@ -18,12 +18,16 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from slimopt.checks import number, number_error
 from slimopt.codecs.plain import FLOAT32_MAX
 
 
 def rms(tensor: Tensor) -> Tensor:
-    """The root mean square of ``tensor``'s elements, as a 0-d fp32 tensor."""
-    return torch.linalg.vector_norm(tensor, dtype=torch.float32) / math.sqrt(tensor.numel())
+    """The root mean square of ``tensor``'s elements, as a 0-d fp32 tensor (float64 values are
+    summed in float64: ``vector_norm`` does not narrow)."""
+    wide = tensor.dtype == torch.float64
+    norm = torch.linalg.vector_norm(tensor, dtype=None if wide else torch.float32)
+    return norm.float() / math.sqrt(tensor.numel())
 
 
 def squared_gradient(grad: Tensor, eps: float | Tensor) -> Tensor:
@@ -37,6 +41,17 @@ class AdafactorRule:
 
     moment_kinds: ClassVar[dict[str, str]] = {"exp_avg": "linear", "exp_avg_sq": "square"}
     elementwise: ClassVar[bool] = False  # factored statistics and RMS clipping span the tensor
+    # Hyperparameters of the rule besides lr and weight_decay, with transformers' defaults;
+    # relative_step None: True exactly when lr is None.
+    defaults: ClassVar[dict[str, Any]] = {
+        "eps": (1e-30, 1e-3),
+        "clip_threshold": 1.0,
+        "decay_rate": -0.8,
+        "beta1": None,
+        "scale_parameter": True,
+        "relative_step": None,
+        "warmup_init": False,
+    }
 
     def validate(self, group: dict[str, Any]) -> list[str]:
         errors = []
@@ -45,19 +60,22 @@ class AdafactorRule:
             errors.append("lr is required when relative_step is False")
         if lr is not None and relative:
             errors.append("a manual lr cannot be combined with relative_step=True")
-        if lr is not None and not lr >= 0.0:
-            errors.append(f"lr must be >= 0, got {lr!r}")
+        if lr is not None:
+            errors += number_error("lr", lr)
         if group["warmup_init"] and not relative:
             errors.append("warmup_init=True requires relative_step=True")
         beta1 = group["beta1"]
-        if beta1 is not None and not 0.0 <= beta1 < 1.0:
+        if beta1 is not None and (number(beta1) is None or not 0.0 <= beta1 < 1.0):
             errors.append(f"beta1 must be None or in [0, 1), got {beta1!r}")
-        if not group["decay_rate"] < 0.0:
+        if number(group["decay_rate"]) is None or not group["decay_rate"] < 0.0:
             errors.append(f"decay_rate must be < 0, got {group['decay_rate']!r}")
-        if not group["clip_threshold"] > 0.0:
-            errors.append(f"clip_threshold must be > 0, got {group['clip_threshold']!r}")
+        errors += number_error("clip_threshold", group["clip_threshold"], strict=True)
         eps = group["eps"]
-        if not (isinstance(eps, (tuple, list)) and len(eps) == 2 and min(eps) >= 0):
+        if not (
+            isinstance(eps, (tuple, list))
+            and len(eps) == 2
+            and all(number(e) is not None and e >= 0 for e in eps)
+        ):
             errors.append(f"eps must be a pair of non-negative floats, got {eps!r}")
         return errors
 

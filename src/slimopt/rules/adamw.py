@@ -9,12 +9,16 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from slimopt.checks import number, number_error
+
 
 class AdamWRule:
     """Adam moments and direction ``m̂ / (√v̂ + eps)``."""
 
     moment_kinds: ClassVar[dict[str, str]] = {"exp_avg": "linear", "exp_avg_sq": "square"}
     elementwise: ClassVar[bool] = True
+    # Hyperparameters of the rule besides lr and weight_decay, with torch.optim.AdamW's defaults.
+    defaults: ClassVar[dict[str, Any]] = {"betas": (0.9, 0.999), "eps": 1e-8}
 
     def validate(self, group: dict[str, Any]) -> list[str]:
         errors = []
@@ -25,13 +29,13 @@ class AdamWRule:
             errors += [
                 f"betas[{i}] must be in [0, 1), got {beta!r}"
                 for i, beta in enumerate(betas)
-                if not 0.0 <= beta < 1.0
+                if number(beta) is None or not 0.0 <= beta < 1.0
             ]
-        if not group["eps"] >= 0.0:
-            errors.append(f"eps must be >= 0, got {group['eps']!r}")
-        if not group["lr"] >= 0.0:
-            errors.append(f"lr must be >= 0, got {group['lr']!r}")
-        return errors
+        if group["lr"] is None:  # Adafactor's relative step size, which AdamW has not
+            errors.append("lr is required: AdamW has no relative step size (lr=None)")
+        else:
+            errors += number_error("lr", group["lr"])
+        return errors + number_error("eps", group["eps"])
 
     def init_state(self, grad: Tensor, group: dict[str, Any], *, projected: bool) -> dict[str, Tensor]:
         return {"exp_avg": torch.zeros_like(grad), "exp_avg_sq": torch.zeros_like(grad)}

@@ -32,6 +32,8 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor
 
+from slimopt.checks import number_error
+
 # fp8 e4m3's largest finite value: a column's largest slot is stored as this.
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 VALUE_FORMATS = ("fp8", "fp32")
@@ -173,6 +175,8 @@ class TACORule:
 
     moment_kinds: ClassVar[dict[str, str]] = {}  # its state is its own, not a codec's moments
     elementwise: ClassVar[bool] = False  # a column's largest entry needs the whole column
+    # Hyperparameters of the rule besides lr and weight_decay.
+    defaults: ClassVar[dict[str, Any]] = {**TACO_DEFAULTS, "transposed": False}
 
     def validate(self, group: dict[str, Any]) -> list[str]:
         settings = {key: group.get(key, default) for key, default in TACO_DEFAULTS.items()}
@@ -190,8 +194,7 @@ class TACORule:
             )
         if settings["history"] not in HISTORIES:
             errors.append(f"unknown history {settings['history']!r}; valid: {', '.join(HISTORIES)}")
-        if not group["lr"] >= 0.0:
-            errors.append(f"lr must be >= 0, got {group['lr']!r}")
+        errors += number_error("lr", group["lr"])
         if "rank" in group:
             errors.append("the TACO rule takes no rank: its direction is one entry per column already")
         shapes = [tuple(p.shape) for p in group["params"] if p.dim() != 2]
