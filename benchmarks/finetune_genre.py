@@ -33,8 +33,9 @@ import torch
 from torch import nn
 
 import slimopt
+from slimopt.train.config import TrainConfig
 from slimopt.train.corpus import shakespeare_plays
-from slimopt.train.loop import TrainConfig, build_model, prepare_data, train
+from slimopt.train.loop import build_model, prepare_data, train
 
 GENRES = {"comedies": 0, "tragedies": 1, "roman": 1, "histories": 2}
 LABELS = ("comedy", "tragedy", "history")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,3 +95,24 @@ def tiny_llama(seed: int = 0, dims: tuple[int, int, int, int] = (64, 172, 4, 2))
 
     torch.manual_seed(seed)
     return build_llama(dims, BYTE_VOCAB, max_seq_len=128)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny LLaMA config and a 200 kB text file from the built-in corpus."""
+    root = tmp_path_factory.mktemp("cli")
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+    ).save_pretrained(root / "tiny")
+    from slimopt.train.corpus import load_corpus
+
+    (root / "text").mkdir()
+    text = "".join(document.text for document in load_corpus("shakespeare"))
+    (root / "text" / "shakespeare.txt").write_text(text[:200_000])
+    return root

@@ -90,3 +90,42 @@ def test_hugging_face_names_build_the_same_optimizer(hf_name, cls, states) -> No
         ValueError, match=r"unknown optimizer 'sgd'; available: adamw, .*Hugging Face's .*adamw_8bit"
     ):
         build_optimizer(tiny_llama(0), "sgd", lr=1e-3)
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A gloo process group of one process (FSDP2 shards over it as over several)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_weights_fsdp2_splits_by_rows_take_the_basis_on_the_unsplit_side(one_process_group) -> None:
+    """``build_optimizer(model, "galore_adamw")`` on a model FSDP2 has sharded used to be refused
+    ("use proj_type='right'"); it now chooses right itself, and ``describe`` says why. A side the
+    user names on the split rows is still refused."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from slimopt import describe
+
+    model = tiny_llama(0)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = build_optimizer(model, "galore_adamw", lr=1e-3, rank=8)
+    projected = [g for g in optimizer.param_groups if "rank" in g]
+    assert [g["proj_type"] for g in projected] == ["right"]
+    assert "proj_type right (rows split across processes: the basis is on the unsplit side)" in describe(
+        optimizer, model
+    )
+    tokens = torch.randint(0, 256, (2, 16))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    for proj_type in ("std", "left"):
+        with pytest.raises(ValueError, match=f"proj_type='{proj_type}' puts the basis of .* on the rows"):
+            build_optimizer(model, "galore_adamw", lr=1e-3, rank=8, proj_type=proj_type)

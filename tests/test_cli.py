@@ -20,27 +20,6 @@ from slimopt.planner import plan_memory
 pytestmark = pytest.mark.usefixtures("private_cache")
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny LLaMA config and a 200 kB text file from the built-in corpus."""
-    root = tmp_path_factory.mktemp("cli")
-    from transformers import LlamaConfig
-
-    LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-    ).save_pretrained(root / "tiny")
-    from slimopt.train.corpus import load_corpus
-
-    (root / "text").mkdir()
-    text = "".join(document.text for document in load_corpus("shakespeare"))
-    (root / "text" / "shakespeare.txt").write_text(text[:200_000])
-    return root
-
-
 def run_args(workspace: Path, out: Path, *extra: str) -> list[str]:
     return [
         "--model", str(workspace / "tiny"), "--data", str(workspace / "text"), "--vocab-size", "300",
@@ -398,14 +377,17 @@ def test_torchrun_trains_like_one_process_and_resumes(workspace: Path, tmp_path:
     repeats itself exactly; FSDP2's sharded checkpoint also resumes in one process."""
     common = ["--optimizer", "galore_adamw", "--rank", "8", "--update-proj-gap", "3", "--steps", "10"]
     one = tmp_path / "one"
-    assert main(["train", *common, *run_args(workspace, one)]) == 0
+    # Under FSDP2 the run chooses proj_type right by itself (and records it in config.json, which
+    # the one-process resume below relies on: it is not given again); one process is told.
+    same_side = ["--proj-type", "right"] if strategy == "fsdp2" else []
+    assert main(["train", *common, *same_side, *run_args(workspace, one)]) == 0
     two = tmp_path / "two"
     flags = [*common, "--distributed", strategy, "--save-every", "5"]
-    if strategy == "fsdp2":
-        flags += ["--proj-type", "right"]  # what it chooses by itself, given to the one-process run too
     finished = torchrun(["train", *flags, *run_args(workspace, two)])
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert "on 2 processes" in finished.stderr and "finished 10 of 10 steps" in finished.stdout
+    if strategy == "fsdp2":
+        assert "(proj_type right: FSDP2 splits the rows)" in finished.stderr
     summary = json.loads((two / "summary.json").read_text())
     assert summary["processes"] == 2 and len(summary["state_bytes_per_process"]) == 2
     if strategy != "ddp":  # the state is split: each process holds part of it

@@ -209,7 +209,8 @@ def _fsdp2_refusals() -> list[str]:
     mesh = init_device_mesh("cpu", (WORLD,))
     fully_shard(model, mesh=mesh)
     attempts = [
-        lambda: slimopt.build_optimizer(model, "galore_adamw", lr=1e-3, rank=8),  # std: down_proj on the left
+        # std named by the user: down_proj's basis on the left (without a proj_type: right)
+        lambda: slimopt.build_optimizer(model, "galore_adamw", lr=1e-3, rank=8, proj_type="std"),
         lambda: slimopt.build_optimizer(
             model, "galore_adamw", lr=1e-3, rank=8, proj_type="right", proj_method="svd"
         ),

@@ -84,7 +84,7 @@ def _option_help(name: str) -> str:
 
 
 def _run_flags(parser: argparse.ArgumentParser) -> None:
-    from slimopt.train.loop import DEVICES, TrainConfig
+    from slimopt.train.config import DEVICES, TrainConfig
 
     defaults = TrainConfig()
     parser.add_argument("--config", help="YAML or TOML file with any of these options")
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bench_flags(parser: argparse.ArgumentParser) -> None:
     from slimopt.train.bench import DEFAULT, REFERENCES
-    from slimopt.train.loop import DEVICES
+    from slimopt.train.config import DEVICES
 
     parser.add_argument(
         "--model", default="llama_60m", choices=list(LLAMA_PRESETS), help="preset (default llama_60m)"
@@ -216,7 +216,7 @@ def _bench_flags(parser: argparse.ArgumentParser) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     """Print the table (and write JSON); optimizers that cannot run here are named on stderr."""
     from slimopt.train.bench import available, bench, table, write_json
-    from slimopt.train.loop import resolve_device
+    from slimopt.train.config import resolve_device
 
     for flag in ("batch", "seq", "steps"):
         if getattr(args, flag) < 1:
@@ -364,7 +364,7 @@ def make_config(options: dict[str, Any], optimizer: str | None = None, *, strict
     """A ``TrainConfig`` from resolved options; raises ``ValueError`` naming a bad value.
 
     ``strict=False`` (compare) lets projection options pass for the optimizers that do not project."""
-    from slimopt.train.loop import TrainConfig
+    from slimopt.train.config import TrainConfig
 
     names = {f.name for f in fields(TrainConfig)} - {"optimizer_options", "optimizer"}
     unknown = sorted(set(options) - names - set(OPTIMIZER_FLAGS) - {"optimizers", "optimizer"})
@@ -402,7 +402,8 @@ def run_train(options: dict[str, Any]) -> dict[str, Any]:
         saved = run / "config.json"
         if saved.is_file():
             base = json.loads(saved.read_text())
-            base.pop("resume", None)
+            for key in ("resume", "out"):  # a run continues in its own directory, wherever it is now
+                base.pop(key, None)
             options = {**base.pop("optimizer_options", {}), **base, **options}
         options.setdefault("out", str(run))
     summary = train(make_config(options))
@@ -413,7 +414,7 @@ def run_train(options: dict[str, Any]) -> dict[str, Any]:
 
 def run_compare(options: dict[str, Any], preset: str | None) -> list[dict[str, Any]]:
     from slimopt.train.compare import compare
-    from slimopt.train.rundir import claim, default_out
+    from slimopt.train.rundir import default_out
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(
@@ -426,9 +427,7 @@ def run_compare(options: dict[str, Any], preset: str | None) -> list[dict[str, A
         make_config({**options, "out": str(out / name), "overwrite": False}, optimizer=name, strict=False)
         for name in names
     ]
-    claim(out, overwrite=bool(options.get("overwrite")))
-    print(f"comparing {', '.join(names)}; results in {out}", file=sys.stderr)
-    return compare(configs, out)
+    return compare(configs, out, overwrite=bool(options.get("overwrite")))
 
 
 def join_negative_values(argv: list[str]) -> list[str]:

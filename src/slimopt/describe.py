@@ -9,6 +9,7 @@ from collections import Counter
 from torch import Tensor, nn
 
 from slimopt.codecs.rows import matrix_shape
+from slimopt.distributed import split_by_rows
 from slimopt.memory import storage_nbytes
 from slimopt.optimizer import GaLoreOptimizer
 from slimopt.projection import sides
@@ -42,7 +43,10 @@ def describe(optimizer: GaLoreOptimizer, model: nn.Module | None = None, *, para
         stored = [t for p in params for t in optimizer.state.get(p, {}).values() if isinstance(t, Tensor)]
         settings = [f"states {group['states']}", f"weight decay {group['weight_decay']:g}"]
         if projected:
-            settings[:0] = [f"rank {group['rank']}", f"proj_type {group['proj_type']}"]
+            side = f"proj_type {group['proj_type']}"
+            if any(split_by_rows(p) for p in params if id(p) in projected):
+                side += " (rows split across processes: the basis is on the unsplit side)"
+            settings[:0] = [f"rank {group['rank']}", side]
         title = group.get("name", f"group {index}")
         count = sum(p.numel() for p in params)
         lines.append(

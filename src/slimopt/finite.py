@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slimopt.distributed import all_reduce
+
 # Devices where the fused path leaves its decisions on the device. On the CPU reading a flag
 # waits for nothing, while masking every write with it costs: the fused int8 step of an
 # 8192×512 matrix takes 32 ms masked, 17 ms with the decision read first (benchmarks/RESULTS.md).
@@ -57,8 +59,7 @@ def finite_flags(
     for group, indices in shared.items():
         device = entries[indices[0]][0].device
         votes = torch.stack([_flag_or_true(flags[i], device) for i in indices]).to(torch.int32)
-        torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.MIN, group=group)
-        agreed = votes.bool()
+        agreed = all_reduce(votes, group, torch.distributed.ReduceOp.MIN).bool()
         for position, index in enumerate(indices):
             flags[index] = agreed[position]
     return flags

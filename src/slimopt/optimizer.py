@@ -134,9 +134,11 @@ class GaLoreOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore a pickled or deep-copied optimizer; it is not in layer-wise mode (the hooks
         belong to the original) and computes every basis itself (``spread_refreshes`` is not
-        carried over: a process group cannot be copied)."""
+        carried over: a process group cannot be copied). torch.optim's ``load_state_dict`` calls
+        this too, on an optimizer that keeps its own."""
         super().__setstate__(state)
-        self._reset_private()
+        if not hasattr(self, "_decisions"):  # a copy, not a load_state_dict
+            self._reset_private()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (see ``torch.optim.Optimizer``); raises ``ValueError`` for bad hyperparameters.

@@ -16,6 +16,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from slimopt.codecs.rows import matrix_shape
+from slimopt.distributed import split_by_rows
 from slimopt.optimizer import (
     PROJECTION_DEFAULTS,
     TACO,
@@ -241,6 +242,9 @@ def warn_if_projection_saves_nothing(matrices: list[Tensor], rank: int) -> None:
 
 
 FLIPPED_SIDES = {"left": "right", "right": "left"}
+# The projection side of weights split by rows (FSDP2) when the user names none: the r×n basis
+# is replicated, so projecting and projecting back stay local to each process's rows.
+ROW_SPLIT_PROJ_TYPE = "right"
 
 
 def _warn_unknown_layouts(model: nn.Module, params: dict[int, Tensor]) -> None:
@@ -288,7 +292,9 @@ def build_optimizer(
     layer), ``"projected_experts"`` (a mixture of experts' stacked 3-D expert weights, with
     ``experts=True``: each expert projected as its own matrix, out × in),
     ``"unprojected"`` (every other matrix) and ``"no_decay"`` (1-D parameters: biases and norms,
-    without weight decay). A rank at which projection saves no state warns.
+    without weight decay). A rank at which projection saves no state warns. Where FSDP2 has
+    split the selected weights by rows and no ``proj_type`` is given, it is ``"right"`` (the
+    basis on the unsplit side; ``describe`` says why).
     Remaining ``options`` (``weight_decay``, ``betas``, …) go to the optimizer class. Raises
     ``ValueError`` for an unknown name, for projection options on an unprojected optimizer, or
     for a target selection that matches nothing.
@@ -323,9 +329,15 @@ def build_optimizer(
     if spec.projected and projected:
         rank = default_rank(matrices) if rank is None else rank
         warn_if_projection_saves_nothing(matrices, rank)
-    # A basis side named by the user ("left": the output side of a layer) is the other side
-    # of a transposed weight; the other proj_types choose by shape, the same for both layouts.
-    flipped = FLIPPED_SIDES.get(projection.get("proj_type", ""))
+    # Weights FSDP2 splits by rows take their basis on the side it does not split, unless the
+    # user chose a side (a side on the split rows is refused, naming this one).
+    if any(split_by_rows(p) for p in projected) and "proj_type" not in projection:
+        projection["proj_type"] = ROW_SPLIT_PROJ_TYPE
+        flipped = None  # the split rows are the stored matrix's, whatever its layout
+    else:
+        # A basis side named by the user ("left": the output side of a layer) is the other side
+        # of a transposed weight; the other proj_types choose by shape, the same for both layouts.
+        flipped = FLIPPED_SIDES.get(projection.get("proj_type", ""))
     transposed = [p for p in projected if id(p) in transposed_ids] if flipped else []
     experts = [p for p in projected if id(p) in expert_ids]
     linear_layout = [p for p in projected if not any(p is q for q in transposed + experts)]

@@ -47,6 +47,42 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
+def group_device(group: Any = None) -> torch.device:
+    """The device the collectives of ``group`` (default: all processes) take their tensors on:
+    this process's CUDA device under NCCL, which takes nothing else, else the CPU (gloo)."""
+    if torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def to_group_device(tensor: Tensor, group: Any = None) -> Tensor:
+    """``tensor`` on ``group_device(group)``: itself when it is there already, else a copy."""
+    device = group_device(group)
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+def all_reduce(tensor: Tensor, group: Any = None, op: Any = None) -> Tensor:
+    """``tensor`` reduced (``op``, default a sum) over ``group`` in place, the same on every
+    process, and returned. The collective runs on the group's device (``to_group_device``), so
+    a flag built on the host works under NCCL as under gloo. Every tensor collective of slimopt
+    goes through this module."""
+    placed = to_group_device(tensor, group)
+    torch.distributed.all_reduce(placed, op=op or torch.distributed.ReduceOp.SUM, group=group)
+    if placed is not tensor:
+        tensor.copy_(placed)
+    return tensor
+
+
+def broadcast(tensor: Tensor, source: int, group: Any = None) -> Tensor:
+    """``tensor`` of the process of global rank ``source`` on every process of ``group`` (in
+    place, on the group's device for the collective), and returned."""
+    placed = to_group_device(tensor, group)
+    torch.distributed.broadcast(placed, src=source, group=group)
+    if placed is not tensor:
+        tensor.copy_(placed)
+    return tensor
+
+
 def from_first(value: Any) -> Any:
     """Rank 0's ``value`` (any picklable object) on every process: a check only the first
     process makes then stops all of them alike."""
@@ -84,14 +120,12 @@ class RowSharding:
 
     def all_reduce(self, tensor: Tensor) -> Tensor:
         """``tensor`` summed over the group (in place), identical on every process."""
-        torch.distributed.all_reduce(tensor, group=self.group)
-        return tensor
+        return all_reduce(tensor, self.group)
 
     def all_agree(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every process of the group."""
         vote = torch.tensor([0 if flag else 1], dtype=torch.int64)
-        torch.distributed.all_reduce(vote, group=self.group)
-        return int(vote) == 0
+        return int(all_reduce(vote, self.group)) == 0
 
 
 def placement_error(param: Tensor) -> str | None:
@@ -172,8 +206,7 @@ def compute_on_owner(
             basis = compute()
         except RuntimeError as error:
             failure = str(error)
-    status = torch.tensor([0 if failure else 1], dtype=torch.int64)
-    torch.distributed.broadcast(status, src=source, group=group)
+    status = broadcast(torch.tensor([0 if failure else 1], dtype=torch.int64), source, group)
     if not int(status):
         raise RuntimeError(failure or f"it failed on process {source}, which computes this basis")
     rows, cols = grad.shape
@@ -184,8 +217,7 @@ def compute_on_owner(
             factors.append(None)
             continue
         tensor = basis[index].contiguous() if basis is not None else grad.new_empty(factor_shape)
-        torch.distributed.broadcast(tensor, src=source, group=group)
-        factors.append(tensor)
+        factors.append(broadcast(tensor, source, group))
     return Basis(*factors)
 
 

@@ -163,7 +163,9 @@ class _OptimizerLoad:
             self.targets[f"{OPTIMIZER}{name}/scalars"] = _empty(saved[f"{OPTIMIZER}{name}/scalars"])
             count = self._saved_count(name)
             own = _shard_suffix(param) if optimizer._sharding(param) is not None else ""
-            wanted: str | None = own  # the shard suffix of the keys to restore as they are
+            # The shard suffix of the keys to restore as they are: this process's own, or for a
+            # whole parameter the one shard of a parameter one FSDP2 process saved ("0 of 1").
+            wanted: str | None = own or _suffix(0, 1)
             if (count > 1 or own) and not own.endswith(f" of {count}"):
                 wanted = None
                 self.resharded[param] = count

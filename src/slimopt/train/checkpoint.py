@@ -119,6 +119,59 @@ def newest_intact(directory: str | Path, before: Path) -> Path | None:
     return None
 
 
+def step_of(path: Path) -> int:
+    """The step of the checkpoint directory ``path`` (``step-00000012``: 12)."""
+    return int(path.name[len(PREFIX) :])
+
+
+def checkpoint_to_resume(resume: str | Path, steps: int, *, continues_its_run: bool) -> Path:
+    """The checkpoint ``--resume`` names: a checkpoint directory, or a run's (or a checkpoint
+    directory's parent's) newest complete one.
+
+    Raises ``CheckpointError`` when there is none, when it is past ``steps`` (the run would
+    end before it began), and, when the run continues in its own directory
+    (``continues_its_run``), when a newer checkpoint of the run verifies: training from the
+    older one would replace it. Checks nothing of the files' contents but the newer ones'."""
+    path = Path(resume)
+    if (path / MANIFEST).exists():
+        directory, checkpoint = path.parent, path
+    else:
+        directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        checkpoint = latest_checkpoint(directory)
+        if checkpoint is None:
+            raise CheckpointError(f"no checkpoint under {str(resume)!r} to resume from")
+    step = step_of(checkpoint)
+    if step > steps:
+        raise CheckpointError(
+            f"--steps {steps} is below the step of the checkpoint to resume from ({checkpoint}, step "
+            f"{step}); pass --steps {step} or more"
+        )
+    if continues_its_run:
+        for newer in [c for c in checkpoints(directory) if c.name > checkpoint.name]:
+            try:
+                verify_checkpoint(newer)
+            except CheckpointError:
+                continue  # a damaged one would be replaced when the run gets there again
+            raise CheckpointError(
+                f"{newer} is newer than {checkpoint}; continuing from step {step} in the same run "
+                "would replace it: resume the run's newest checkpoint, or continue this one into "
+                "another directory with --out"
+            )
+    return checkpoint
+
+
+def load_resumed(checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``load_checkpoint``, whose error also names the newest intact checkpoint older than a
+    damaged ``checkpoint``, to resume from instead."""
+    try:
+        return load_checkpoint(checkpoint, model, optimizer)
+    except CheckpointError as error:
+        older = newest_intact(checkpoint.parent, before=checkpoint)
+        if older is None:
+            raise
+        raise CheckpointError(f"{error}; the newest intact checkpoint is {older}: --resume {older}") from None
+
+
 def verify_checkpoint(path: str | Path) -> None:
     """Raise ``CheckpointError`` unless every file of the checkpoint at ``path`` is present and
     matches the size and SHA-256 its manifest records."""

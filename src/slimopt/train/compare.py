@@ -10,21 +10,44 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from slimopt.train.loop import TrainConfig, train
+from slimopt.train.config import TrainConfig
+from slimopt.train.loop import Data, check_optimizer, prepare_data, train
+from slimopt.train.rundir import check_out, claim
 
 # One style per optimizer, so that lines that overlap stay distinguishable.
 LINE_STYLES = ("-", "--", "-.", ":")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
-def compare(configs: list[TrainConfig], out: Path, *, progress: bool = True) -> list[dict[str, Any]]:
+def compare(
+    configs: list[TrainConfig], out: Path, *, overwrite: bool = False, progress: bool = True
+) -> list[dict[str, Any]]:
     """Train each configuration, write ``results.json``, ``results.md`` and ``losses.png`` under
     ``out``, print the table and return the summaries. A run interrupted by SIGINT ends the
-    comparison (its summary is the last one returned) without writing the results."""
-    out.mkdir(parents=True, exist_ok=True)
+    comparison (its summary is the last one returned) without writing the results.
+
+    Everything is checked before anything on disk changes: ``out`` (``rundir.check_out``; an
+    old comparison there is replaced only with ``overwrite``), the data (read once, shared by
+    every run) and each optimizer's options (built on the model on the meta device). Raises
+    ``ValueError`` naming the first problem."""
+    check_out(out, overwrite=overwrite)
+    data = prepare_data(configs[0])
+    for config in configs:
+        check_optimizer(config, data[0].vocab_size)
+    lock = claim(out, overwrite=overwrite)
+    names = ", ".join(config.optimizer for config in configs)
+    print(f"comparing {names}; results in {out}", file=sys.stderr)
+    try:
+        return _train_each(configs, out, data, progress)
+    finally:
+        lock.release()
+
+
+def _train_each(configs: list[TrainConfig], out: Path, data: Data, progress: bool) -> list[dict[str, Any]]:
     results = []
     for number, config in enumerate(configs, start=1):
-        summary = train(config, progress=progress, label=f"{config.optimizer} {number}/{len(configs)}")
+        label = f"{config.optimizer} {number}/{len(configs)}"
+        summary = train(config, progress=progress, label=label, data=data)
         history = [json.loads(line) for line in (Path(config.out) / "metrics.jsonl").read_text().splitlines()]
         results.append({**summary, "history": history})
         if summary["interrupted"]:

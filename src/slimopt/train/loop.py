@@ -16,8 +16,9 @@ import shlex
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,22 +26,15 @@ import torch
 from torch import Tensor, nn
 
 from slimopt.describe import describe as describe_optimizer
-from slimopt.distributed import STRATEGIES, barrier, from_first, local_view
-from slimopt.layerwise import check_refresh_from, layerwise
+from slimopt.distributed import barrier, from_first, local_view
+from slimopt.layerwise import layerwise
 from slimopt.memory import LiveBytes, state_nbytes, state_tensors
-from slimopt.registry import OPTIMIZERS, resolve_name
-from slimopt.train.checkpoint import (
-    MANIFEST,
-    CheckpointError,
-    latest_checkpoint,
-    load_checkpoint,
-    newest_intact,
-    save_checkpoint,
-)
+from slimopt.train.checkpoint import checkpoint_to_resume, load_resumed, save_checkpoint
+from slimopt.train.config import TrainConfig, saved_config
 from slimopt.train.corpus import load_corpus, split_documents
 from slimopt.train.models import build_llama, enable_checkpointing
 from slimopt.train.parallel import Parallel, start_run
-from slimopt.train.rundir import claim, default_out, run_directory
+from slimopt.train.rundir import RunLock, check_free, check_out, claim, run_directory
 from slimopt.train.tokenizer import (
     TextTokenizer,
     bpe_tokenizer,
@@ -48,108 +42,6 @@ from slimopt.train.tokenizer import (
     pack,
     pretrained_tokenizer,
 )
-
-
-@dataclass
-class TrainConfig:
-    """Everything a run needs; the CLI flags map one to one onto these fields."""
-
-    model: str = "llama_20m"
-    optimizer: str = "adamw"
-    data: str = "shakespeare"
-    tokenizer: str | None = None  # None: byte-level BPE trained on the training split
-    vocab_size: int = 8192
-    steps: int = 1000
-    batch_size: int = 64  # sequences per optimizer step
-    micro_batch_size: int | None = None  # sequences per forward pass (per process); None: all at once
-    seq_len: int = 256
-    lr: float = 1e-3
-    warmup: float = 0.1  # a fraction of the steps if < 1, else a number of steps
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0  # 0 disables clipping
-    eval_every: int | None = None  # None: a tenth of the steps (10 validations per run)
-    eval_batches: int = 20
-    save_every: int = 0  # 0: only at the end (and on SIGINT)
-    out: str | None = None  # None: runs/<model>-<optimizer>-<time>, new for every run
-    overwrite: bool = False  # replace a run already in ``out`` (else starting there is refused)
-    device: str = "auto"  # auto (CUDA when available), cpu or cuda
-    resume: str | None = None
-    seed: int = 0
-    bf16: bool = False
-    checkpointing: bool = False
-    layerwise: bool = False  # update each parameter inside backward (slimopt.layerwise)
-    distributed: str | None = None  # under torchrun: ddp (its default), zero1 or fsdp2; none: one process
-    refresh_from: str = "step"  # layer-wise: a refresh sees the step's gradient or its first micro-batch's
-    validation_fraction: float = 0.05
-    max_documents: int | None = None
-    optimizer_options: dict[str, Any] = field(default_factory=dict)  # rank, states, weight_decay, …
-
-    def __post_init__(self) -> None:
-        """Validate every value (``ValueError`` naming the flag and the value) and fill in the
-        defaults that depend on others (``eval_every``, ``out``)."""
-        for name in ("steps", "seq_len", "vocab_size", "batch_size", "eval_batches"):
-            _check(name, getattr(self, name), "a positive integer", lambda v: v > 0)
-        if self.micro_batch_size is not None:
-            _check("micro_batch_size", self.micro_batch_size, "a positive integer", lambda v: v > 0)
-        micro = self.micro_batch_size or self.batch_size
-        if self.batch_size % micro:
-            raise ValueError(
-                f"batch size {self.batch_size} is not a positive multiple of the micro-batch size {micro}"
-            )
-        _check("lr", self.lr, "a positive number", lambda v: v > 0)
-        for name in ("warmup", "grad_clip", "save_every"):
-            _check(name, getattr(self, name), "a number >= 0", lambda v: v >= 0)
-        _check("min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]", lambda v: 0 <= v <= 1)
-        if self.eval_every is None:
-            self.eval_every = max(1, self.steps // 10)
-        _check("eval_every", self.eval_every, "a positive integer", lambda v: v > 0)
-        if self.device not in DEVICES:
-            raise ValueError(f"unknown --device {self.device!r}; valid: {', '.join(DEVICES)}")
-        check_refresh_from(self.refresh_from, self.layerwise, "add --layerwise")
-        if self.distributed == "none":
-            self.distributed = None
-        if self.distributed is not None and self.distributed not in STRATEGIES:
-            valid = ", ".join(("none", *STRATEGIES))
-            raise ValueError(f"unknown --distributed {self.distributed!r}; valid: {valid}")
-        if self.layerwise and self.distributed in ("ddp", "zero1"):
-            raise ValueError(
-                f"--layerwise with --distributed {self.distributed}: DDP averages gradients after "
-                "backward, so layer-wise updates would see unaveraged ones; use --distributed fsdp2"
-            )
-        if self.resume and not Path(self.resume).is_dir():
-            raise ValueError(f"resume directory {self.resume!r} does not exist")
-        if self.out is None:
-            self.out = str(default_out(f"{Path(self.model).name}-{self.optimizer}"))
-
-    def micro_batches(self, processes: int) -> tuple[int, int]:
-        """Sequences per forward pass of each process, and micro-batches per step, when
-        ``processes`` share each step's batch. Raises ``ValueError`` when they do not divide it."""
-        micro = self.micro_batch_size or max(1, self.batch_size // processes)
-        if self.batch_size % (micro * processes):
-            raise ValueError(
-                f"batch size {self.batch_size} is not a multiple of the micro-batch size {micro} × "
-                f"{processes} processes"
-            )
-        return micro, self.batch_size // (micro * processes)
-
-
-DEVICES = ("auto", "cpu", "cuda")
-
-
-def _check(name: str, value: Any, expected: str, valid: Callable[[Any], bool]) -> None:
-    flag = "--" + name.replace("_", "-")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not valid(value):
-        raise ValueError(f"{flag} must be {expected}, got {value!r}")
-
-
-def resolve_device(name: str) -> torch.device:
-    """The device of ``--device`` (auto: CUDA when available); raises ``ValueError`` for cuda
-    without a CUDA device."""
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available; valid here: auto, cpu")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
@@ -213,6 +105,17 @@ def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
     return model
 
 
+def check_optimizer(config: TrainConfig, vocab_size: int) -> None:
+    """Raise what building the run's optimizer raises (a bad option value), without building
+    the model for real: it is made on the meta device."""
+    from slimopt.registry import build_optimizer
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the real build warns, once
+        model = build_model(config, vocab_size)
+        build_optimizer(model, config.optimizer, lr=config.lr, **config.optimizer_options)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, rows: Tensor, config: TrainConfig, device: torch.device, size: int) -> float:
     """Mean loss over the first ``eval_batches`` batches of ``size`` validation rows (every
@@ -255,95 +158,213 @@ class _Interrupt:
         signal.signal(signal.SIGINT, self.previous)
 
 
-def train(config: TrainConfig, *, progress: bool = True, label: str | None = None) -> dict[str, Any]:
+Data = tuple[TextTokenizer, Tensor, Tensor]
+
+
+def train(
+    config: TrainConfig, *, progress: bool = True, label: str | None = None, data: Data | None = None
+) -> dict[str, Any]:
     """Run (or resume) training; return the summary that is also written to ``out/summary.json``.
 
     With ``progress`` a bar (named ``label``, default the optimizer) shows the steps and short
     messages go to stderr: the run directory, the device, a resumed step, each validation, and
     on SIGINT the command that continues the run. Under ``torchrun`` every process runs this
     (``slimopt.train.parallel``); the first one shows progress and writes the run's files.
+    ``data``: ``prepare_data(config)``'s result, when the caller has it already (a comparison).
     Raises ``ValueError`` (a ``CheckpointError`` for checkpoints) for a run that cannot start,
-    before anything is written."""
+    before anything on disk changes: the run directory is taken only once the data, the model,
+    the optimizer and the checkpoint to resume from have all loaded."""
     parallel = start_run(config.distributed, config.device)
     try:
-        return _train(config, parallel, progress, label)
+        run = _prepare(config, parallel, data)
+        lock = _take_directory(run)
+        try:
+            return _train(run, progress, label)
+        finally:
+            if lock is not None:
+                lock.release()
     finally:
         parallel.close()
 
 
-def _train(config: TrainConfig, parallel: Parallel, progress: bool, label: str | None) -> dict[str, Any]:
-    say = _messenger(progress and parallel.main)
-    micro, accumulation = config.micro_batches(parallel.world)
+@dataclass
+class _Run:
+    """What a run trains with, all of it built before anything is written."""
+
+    config: TrainConfig
+    parallel: Parallel
+    out: Path
+    device: torch.device
+    tokenizer: TextTokenizer
+    validation_rows: Tensor
+    model: nn.Module
+    wrapped: nn.Module
+    optimizer: Any
+    schedule: Any
+    batches: Batches
+    checkpoint: Path | None  # the one resumed from
+    start_step: int
+    note: str  # what the run chose for the user, for the start line
+
+
+def _prepare(config: TrainConfig, parallel: Parallel, data: Data | None) -> _Run:
+    """Check the run directory and the checkpoint to resume from, then build the data, model,
+    optimizer and schedule and load the checkpoint. Writes nothing; raises what ``train`` does."""
+    config.micro_batches(parallel.world)
     config.out = from_first(config.out)  # a default name holds the time: the first process's
     out = Path(config.out)
-    resuming_here = config.resume is not None and run_directory(config.resume).resolve() == out.resolve()
-    problem = None
-    if parallel.main and not resuming_here:
-        try:
-            claim(out, overwrite=config.overwrite)
-        except ValueError as error:
-            problem = str(error)
-    problem = from_first(problem)
-    if problem is not None:
-        raise ValueError(problem)
+    checkpoint = from_first(_first_process_checks(config, out) if parallel.main else None)
+    if isinstance(checkpoint, Exception):
+        raise checkpoint
     device = parallel.device(config.device)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
-    tokenizer, train_rows, validation_rows = parallel.first_then_others(lambda: prepare_data(config))
+    tokenizer, train_rows, validation_rows = data or parallel.first_then_others(lambda: prepare_data(config))
     model = build_model(config, tokenizer.vocab_size).to(device)
     wrapped = parallel.wrap(model)
-    options, note = _options_for(config, parallel)
-    optimizer = parallel.optimizer(model, config.optimizer, config.lr, options)
+    optimizer = parallel.optimizer(model, config.optimizer, config.lr, config.optimizer_options)
+    note = _record_choices(config, getattr(optimizer, "optim", optimizer), parallel)
     warmup = int(config.warmup * config.steps) if config.warmup < 1 else int(config.warmup)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(config.steps, warmup, config.min_lr_ratio)
     )
     batches = Batches(train_rows, config.seed)
     start_step = 0
-    metrics_path = out / "metrics.jsonl"
-    if config.resume:
-        checkpoint, state = _resume(config.resume, model, optimizer)
+    if checkpoint is not None:
+        state = load_resumed(checkpoint, model, optimizer)
         schedule.load_state_dict(state["schedule"])
         batches.position, start_step = state["position"], state["step"]
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
-        say(f"resuming from step {start_step} of {config.steps} ({checkpoint})")
-        # Steps logged after the checkpoint are redone: drop them from the log.
-        if metrics_path.exists() and parallel.main:
+    return _Run(
+        config, parallel, out, device, tokenizer, validation_rows, model, wrapped, optimizer, schedule,
+        batches, checkpoint, start_step, note,
+    )  # fmt: skip
+
+
+def _first_process_checks(config: TrainConfig, out: Path) -> Path | Exception | None:
+    """The checkpoint to resume from (None: a new run), or the error that stops the run: an
+    ``out`` a new run may not take, a checkpoint past ``--steps`` or behind a newer one of its run."""
+    try:
+        if config.resume is None:
+            check_out(out, overwrite=config.overwrite)
+            return None
+        here = run_directory(config.resume).resolve() == out.resolve()
+        checkpoint = checkpoint_to_resume(config.resume, config.steps, continues_its_run=here)
+        if here:
+            check_free(out)
+        else:
+            check_out(out, overwrite=config.overwrite)
+        return checkpoint
+    except ValueError as error:
+        return error
+
+
+def _take_directory(run: _Run) -> RunLock | None:
+    """Take the run directory (the first process; ``rundir.claim``) and write the run's start:
+    ``config.json``, and the log without the steps a resumed run redoes."""
+    config, out = run.config, run.out
+    lock = problem = None
+    if run.parallel.main:
+        resuming_here = run.checkpoint is not None and run_directory(config.resume).resolve() == out.resolve()
+        try:
+            lock = claim(out, overwrite=config.overwrite, resume=resuming_here)
+        except ValueError as error:
+            problem = error
+    problem = from_first(problem)
+    if problem is not None:
+        raise problem
+    if run.parallel.main:
+        metrics_path = out / "metrics.jsonl"
+        if run.checkpoint is not None and metrics_path.exists():
             lines = metrics_path.read_text().splitlines()
-            kept = [line for line in lines if json.loads(line)["step"] <= start_step]
+            kept = [line for line in lines if json.loads(line)["step"] <= run.start_step]
             metrics_path.write_text("".join(line + "\n" for line in kept))
-    if parallel.main:
-        out.mkdir(parents=True, exist_ok=True)
-        saved_config = {k: v for k, v in asdict(config).items() if k != "overwrite"}
-        (out / "config.json").write_text(json.dumps(saved_config, indent=1))
+        (out / "config.json").write_text(json.dumps(saved_config(config), indent=1))
+    return lock
+
+
+def _train(run: _Run, progress: bool, label: str | None) -> dict[str, Any]:
+    config, parallel, out, model, optimizer = run.config, run.parallel, run.out, run.model, run.optimizer
+    say = _messenger(progress and parallel.main)
+    if run.checkpoint is not None:
+        say(f"resuming from step {run.start_step} of {config.steps} ({run.checkpoint})")
     parameters = sum(p.numel() for p in model.parameters())
-    where = str(device)
+    where = str(run.device)
     if parallel.strategy is not None:
-        where = f"{parallel.world} processes ({parallel.strategy}, {device.type})"
+        where = f"{parallel.world} processes ({parallel.strategy}, {run.device.type})"
     paths = getattr(getattr(optimizer, "optim", optimizer), "fused_path", [])
     fused = " (fused step)" if paths and all(path == "fused" for path in paths) else ""
     say(
         f"training {config.model} ({_count(parameters)} parameters) with {config.optimizer}"
-        f"{_rank_note(optimizer, config)}{note}{fused} on {where}; run directory {out}"
+        f"{_rank_note(optimizer, config)}{run.note}{fused} on {where}; run directory {out}"
     )
     say(describe_optimizer(getattr(optimizer, "optim", optimizer), model, parameters=False))
+    began = time.perf_counter()
+    interrupted, peak = _steps(
+        run,
+        say,
+        _progress(progress and parallel.main, config.steps, run.start_step, label or config.optimizer),
+    )
+    state_bytes = parallel.gather(state_nbytes(optimizer))
+    peaks = parallel.gather(peak)
+    if not parallel.main:
+        return _finished(None)
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in history if "val_loss" in r]
+    summary: dict[str, Any] = {
+        "optimizer": config.optimizer,
+        "interrupted": interrupted,
+        "out": str(out),
+        "steps": history[-1]["step"] if history else run.start_step,
+        "total_steps": config.steps,
+        "seconds": time.perf_counter() - began,
+        "final_train_loss": history[-1]["loss"] if history else None,
+        "val_loss": evaluations[-1]["val_loss"] if evaluations else None,
+        "val_ppl": evaluations[-1]["val_ppl"] if evaluations else None,
+        "state_bytes": sum(state_bytes),
+        "peak_memory_bytes": max(peaks),
+        "tokens_per_s": sum(r["tokens_per_s"] for r in history) / max(1, len(history)),
+        "parameters": parameters,
+        "tokenizer": run.tokenizer.description,
+        "device": str(run.device),
+    }
+    if parallel.strategy is not None:
+        summary |= {
+            "distributed": parallel.strategy,
+            "processes": parallel.world,
+            "state_bytes_per_process": state_bytes,
+            "peak_memory_bytes_per_process": peaks,
+        }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return _finished(summary)
+
+
+def _steps(run: _Run, say: Callable[[str], None], bar: Any) -> tuple[bool, int]:
+    """The training steps from the run's start to ``--steps``, with validations, the log and
+    checkpoints; returns whether SIGINT stopped them, and the peak memory of a step."""
+    config, parallel, device, model, optimizer = (
+        run.config,
+        run.parallel,
+        run.device,
+        run.model,
+        run.optimizer,
+    )
+    micro, accumulation = config.micro_batches(parallel.world)
+    metrics_path = run.out / "metrics.jsonl"
 
     def save(step: int) -> Path:
         trainer_state = {
             "step": step,
-            "position": batches.position,
-            "schedule": schedule.state_dict(),
+            "position": run.batches.position,
+            "schedule": run.schedule.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
         }
         sharded = parallel.sharded_checkpoints
-        return save_checkpoint(out / "checkpoints", step, model, optimizer, trainer_state, sharded=sharded)
-
-    def log(record: dict[str, Any]) -> None:
-        if parallel.main:
-            with metrics_path.open("a") as stream:
-                stream.write(json.dumps(record) + "\n")
+        return save_checkpoint(
+            run.out / "checkpoints", step, model, optimizer, trainer_state, sharded=sharded
+        )
 
     # Layer-wise: the handle updates, clips (per tensor) and steps the schedule inside backward.
     handle = None
@@ -352,32 +373,29 @@ def _train(config: TrainConfig, parallel: Parallel, progress: bool, label: str |
             optimizer,
             accumulation,
             max_grad_norm=config.grad_clip or None,
-            scheduler=schedule,
+            scheduler=run.schedule,
             refresh_from=config.refresh_from,
         )
-
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # a comparison trains several models in one process
-    bar = _progress(progress and parallel.main, config.steps, start_step, label or config.optimizer)
     tokens_per_step = config.batch_size * config.seq_len
-    summary: dict[str, Any] = {"optimizer": config.optimizer, "interrupted": False, "out": str(out)}
     memory = peak = 0
-    began_run = time.perf_counter()
+    interrupted = False
     with _Interrupt() as interrupt:
-        for step in range(start_step + 1, config.steps + 1):
+        for step in range(run.start_step + 1, config.steps + 1):
             began = time.perf_counter()
             loss = 0.0
-            lr = schedule.get_last_lr()[0]
+            lr = run.schedule.get_last_lr()[0]
             # On the CPU the first steps of a run are counted exactly: the first creates the
             # optimizer state and bases, the second is a steady step (what slimopt memory plans).
             tracker = None
-            if device.type == "cpu" and step <= start_step + 2:
+            if device.type == "cpu" and step <= run.start_step + 2:
                 tracker = track_memory(model, optimizer)
             with tracker or contextlib.nullcontext():
                 for _ in range(accumulation):
-                    batch = parallel.take(batches.take(micro * parallel.world)).to(device)
+                    batch = parallel.take(run.batches.take(micro * parallel.world)).to(device)
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-                        micro_loss = wrapped(input_ids=batch, labels=batch).loss / accumulation
+                        micro_loss = run.wrapped(input_ids=batch, labels=batch).loss / accumulation
                     micro_loss.backward()
                     loss += micro_loss.item()
                     del batch, micro_loss
@@ -385,10 +403,10 @@ def _train(config: TrainConfig, parallel: Parallel, progress: bool, label: str |
                     if config.grad_clip > 0:
                         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
                     optimizer.step()
-                    schedule.step()
+                    run.schedule.step()
                 optimizer.zero_grad(set_to_none=True)
             # One all-reduce: the mean loss over the processes, and whether any was interrupted.
-            loss, interrupted = parallel.sum([loss, float(interrupt.requested)])
+            loss, stop = parallel.sum([loss, float(interrupt.requested)])
             loss /= parallel.world
             record = {
                 "step": step,
@@ -402,11 +420,13 @@ def _train(config: TrainConfig, parallel: Parallel, progress: bool, label: str |
                 record["memory_bytes"] = memory = torch.cuda.max_memory_allocated(device)
             peak = max(peak, memory)
             if step % config.eval_every == 0 or step == config.steps:
-                record["val_loss"] = evaluate(wrapped, validation_rows, config, device, micro)
+                record["val_loss"] = evaluate(run.wrapped, run.validation_rows, config, device, micro)
                 record["val_ppl"] = math.exp(record["val_loss"])
                 val_loss, val_ppl = record["val_loss"], record["val_ppl"]
                 say(f"step {step}: validation loss {val_loss:.4f}, perplexity {val_ppl:.2f}")
-            log(record)
+            if parallel.main:
+                with metrics_path.open("a") as stream:
+                    stream.write(json.dumps(record) + "\n")
             bar.update(1)
             bar.set_postfix(
                 loss=f"{loss:.3f}",
@@ -414,51 +434,28 @@ def _train(config: TrainConfig, parallel: Parallel, progress: bool, label: str |
                 tok_s=f"{record['tokens_per_s']:.0f}",
                 mem=f"{memory / 2**20:.0f}MiB",
             )
-            if interrupted:
-                summary["interrupted"] = True
+            if stop:
+                interrupted = True
                 checkpoint = save(step)
                 again = "slimopt train" if parallel.strategy is None else "torchrun ... -m slimopt.cli train"
                 say(
                     f"interrupted at step {step} of {config.steps}; saved {checkpoint}. "
-                    f"Continue with: {again} --resume {shlex.quote(str(out))}"
+                    f"Continue with: {again} --resume {shlex.quote(str(run.out))}"
                 )
                 break
             if config.save_every and step % config.save_every == 0 and step != config.steps:
                 save(step)
         else:
-            save(config.steps)
+            if (
+                run.checkpoint is None
+                or run.start_step < config.steps
+                or run.checkpoint.parent.parent != run.out
+            ):
+                save(config.steps)  # (a resumed run already at --steps has its checkpoint)
     if handle is not None:
         handle.remove()
     bar.close()
-    state_bytes = parallel.gather(state_nbytes(optimizer))
-    peaks = parallel.gather(peak)
-    if not parallel.main:
-        return _finished(None)
-    history = [json.loads(line) for line in metrics_path.read_text().splitlines()]
-    evaluations = [r for r in history if "val_loss" in r]
-    summary |= {
-        "steps": history[-1]["step"] if history else start_step,
-        "total_steps": config.steps,
-        "seconds": time.perf_counter() - began_run,
-        "final_train_loss": history[-1]["loss"] if history else None,
-        "val_loss": evaluations[-1]["val_loss"] if evaluations else None,
-        "val_ppl": evaluations[-1]["val_ppl"] if evaluations else None,
-        "state_bytes": sum(state_bytes),
-        "peak_memory_bytes": max(peaks),
-        "tokens_per_s": sum(r["tokens_per_s"] for r in history) / max(1, len(history)),
-        "parameters": parameters,
-        "tokenizer": tokenizer.description,
-        "device": str(device),
-    }
-    if parallel.strategy is not None:
-        summary |= {
-            "distributed": parallel.strategy,
-            "processes": parallel.world,
-            "state_bytes_per_process": state_bytes,
-            "peak_memory_bytes_per_process": peaks,
-        }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    return _finished(summary)
+    return interrupted, peak
 
 
 def _finished(summary: dict[str, Any] | None) -> dict[str, Any]:
@@ -469,15 +466,19 @@ def _finished(summary: dict[str, Any] | None) -> dict[str, Any]:
     return summary
 
 
-def _options_for(config: TrainConfig, parallel: Parallel) -> tuple[dict[str, Any], str]:
-    """The optimizer options of the run, and a note on what the strategy changed: under FSDP2 a
-    projected optimizer keeps its basis on the unsplit side unless told otherwise."""
-    options = dict(config.optimizer_options)
-    projected = OPTIMIZERS[resolve_name(config.optimizer)].projected
-    if parallel.strategy == "fsdp2" and projected and "proj_type" not in options:
-        options["proj_type"] = "right"
-        return options, " (proj_type right: FSDP2 splits the rows)"
-    return options, ""
+def _record_choices(config: TrainConfig, optimizer: Any, parallel: Parallel) -> str:
+    """Record in ``config`` what the optimizer chose where the user named nothing and the
+    choice depends on where it runs (``proj_type``: ``right`` for weights FSDP2 splits by rows),
+    so that resuming elsewhere (one process) builds the same layout; return a note for the
+    start line."""
+    projected = [group for group in getattr(optimizer, "param_groups", []) if "rank" in group]
+    if not projected or "proj_type" in config.optimizer_options:
+        return ""
+    chosen = projected[0]["proj_type"]
+    config.optimizer_options = {**config.optimizer_options, "proj_type": chosen}
+    if chosen == "right" and parallel.strategy == "fsdp2":
+        return " (proj_type right: FSDP2 splits the rows)"
+    return ""
 
 
 def describe(summary: dict[str, Any]) -> str:
@@ -510,25 +511,6 @@ def _count(number: int) -> str:
 def _duration(seconds: float) -> str:
     minutes, rest = divmod(round(seconds), 60)
     return f"{seconds:.1f} s" if seconds < 60 else f"{minutes} min {rest} s"
-
-
-def _resume(resume: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Path, dict[str, Any]]:
-    """Load the checkpoint ``--resume`` names (a run: its newest; or a checkpoint directory)."""
-    path = Path(resume)
-    if (path / MANIFEST).exists():
-        directory, checkpoint = path.parent, path
-    else:
-        directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        checkpoint = latest_checkpoint(directory)
-        if checkpoint is None:
-            raise ValueError(f"no checkpoint under {resume!r} to resume from")
-    try:
-        return checkpoint, load_checkpoint(checkpoint, model, optimizer)
-    except CheckpointError as error:
-        older = newest_intact(directory, before=checkpoint)
-        if older is None:
-            raise
-        raise CheckpointError(f"{error}; the newest intact checkpoint is {older}: --resume {older}") from None
 
 
 def _rank_note(optimizer: torch.optim.Optimizer, config: TrainConfig) -> str:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from slimopt.distributed import STRATEGIES, barrier
+from slimopt.distributed import STRATEGIES, all_reduce, barrier
 
 
 @dataclass
@@ -61,9 +61,7 @@ class Parallel:
         """``values`` summed over the processes (one all-reduce)."""
         if self.strategy is None:
             return values
-        total = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(total)
-        return total.tolist()
+        return all_reduce(torch.tensor(values, dtype=torch.float64)).tolist()
 
     def gather(self, value: Any) -> list[Any]:
         """``value`` of every process, in rank order."""
@@ -80,7 +78,7 @@ class Parallel:
 
     def device(self, name: str) -> torch.device:
         """The device of ``--device`` for this process (its own GPU under torchrun)."""
-        from slimopt.train.loop import resolve_device
+        from slimopt.train.config import resolve_device
 
         device = resolve_device(name)
         if device.type == "cuda" and self.strategy is not None:

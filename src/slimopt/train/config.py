@@ -1,0 +1,135 @@
+"""``TrainConfig``: every setting of a run as plain values, checked when made, and the form a
+run's ``config.json`` keeps them in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slimopt.distributed import STRATEGIES
+from slimopt.layerwise import check_refresh_from
+from slimopt.train.rundir import default_out
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs; the CLI flags map one to one onto these fields."""
+
+    model: str = "llama_20m"
+    optimizer: str = "adamw"
+    data: str = "shakespeare"
+    tokenizer: str | None = None  # None: byte-level BPE trained on the training split
+    vocab_size: int = 8192
+    steps: int = 1000
+    batch_size: int = 64  # sequences per optimizer step
+    micro_batch_size: int | None = None  # sequences per forward pass (per process); None: all at once
+    seq_len: int = 256
+    lr: float = 1e-3
+    warmup: float = 0.1  # a fraction of the steps if < 1, else a number of steps
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+    eval_every: int | None = None  # None: a tenth of the steps (10 validations per run)
+    eval_batches: int = 20
+    save_every: int = 0  # 0: only at the end (and on SIGINT)
+    out: str | None = None  # None: runs/<model>-<optimizer>-<time>, new for every run
+    overwrite: bool = False  # replace a run already in ``out`` (else starting there is refused)
+    device: str = "auto"  # auto (CUDA when available), cpu or cuda
+    resume: str | None = None
+    seed: int = 0
+    bf16: bool = False
+    checkpointing: bool = False
+    layerwise: bool = False  # update each parameter inside backward (slimopt.layerwise)
+    distributed: str | None = None  # under torchrun: ddp (its default), zero1 or fsdp2; none: one process
+    refresh_from: str = "step"  # layer-wise: a refresh sees the step's gradient or its first micro-batch's
+    validation_fraction: float = 0.05
+    max_documents: int | None = None
+    optimizer_options: dict[str, Any] = field(default_factory=dict)  # rank, states, weight_decay, …
+
+    def __post_init__(self) -> None:
+        """Validate every value (``ValueError`` naming the flag and the value) and fill in the
+        defaults that depend on others (``eval_every``, ``out``)."""
+        for name in ("steps", "seq_len", "vocab_size", "batch_size", "eval_batches"):
+            _check(name, getattr(self, name), "a positive integer", lambda v: v > 0)
+        if self.micro_batch_size is not None:
+            _check("micro_batch_size", self.micro_batch_size, "a positive integer", lambda v: v > 0)
+        micro = self.micro_batch_size or self.batch_size
+        if self.batch_size % micro:
+            raise ValueError(
+                f"batch size {self.batch_size} is not a positive multiple of the micro-batch size {micro}"
+            )
+        _check("lr", self.lr, "a positive number", lambda v: v > 0)
+        for name in ("warmup", "grad_clip", "save_every"):
+            _check(name, getattr(self, name), "a number >= 0", lambda v: v >= 0)
+        _check("min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]", lambda v: 0 <= v <= 1)
+        if self.eval_every is None:
+            self.eval_every = max(1, self.steps // 10)
+        _check("eval_every", self.eval_every, "a positive integer", lambda v: v > 0)
+        if self.device not in DEVICES:
+            raise ValueError(f"unknown --device {self.device!r}; valid: {', '.join(DEVICES)}")
+        check_refresh_from(self.refresh_from, self.layerwise, "add --layerwise")
+        if self.distributed == "none":
+            self.distributed = None
+        if self.distributed is not None and self.distributed not in STRATEGIES:
+            valid = ", ".join(("none", *STRATEGIES))
+            raise ValueError(f"unknown --distributed {self.distributed!r}; valid: {valid}")
+        if self.layerwise and self.distributed in ("ddp", "zero1"):
+            raise ValueError(
+                f"--layerwise with --distributed {self.distributed}: DDP averages gradients after "
+                "backward, so layer-wise updates would see unaveraged ones; use --distributed fsdp2"
+            )
+        if self.resume and not Path(self.resume).is_dir():
+            raise ValueError(f"resume directory {self.resume!r} does not exist")
+        if self.out is None:
+            self.out = str(default_out(f"{Path(self.model).name}-{self.optimizer}"))
+
+    def micro_batches(self, processes: int) -> tuple[int, int]:
+        """Sequences per forward pass of each process, and micro-batches per step, when
+        ``processes`` share each step's batch. Raises ``ValueError`` when they do not divide it."""
+        micro = self.micro_batch_size or max(1, self.batch_size // processes)
+        if self.batch_size % (micro * processes):
+            raise ValueError(
+                f"batch size {self.batch_size} is not a multiple of the micro-batch size {micro} × "
+                f"{processes} processes"
+            )
+        return micro, self.batch_size // (micro * processes)
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _check(name: str, value: Any, expected: str, valid: Callable[[Any], bool]) -> None:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not valid(value):
+        raise ValueError(f"{flag} must be {expected}, got {value!r}")
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device of ``--device`` (auto: CUDA when available); raises ``ValueError`` for cuda
+    without a CUDA device."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available; valid here: auto, cpu")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def saved_config(config: TrainConfig) -> dict[str, Any]:
+    """``config`` as a run's ``config.json`` keeps it (what ``--resume`` reads back): without
+    ``overwrite`` and ``out`` (a run continues in its own directory, wherever that is now), and
+    with local paths (``--model``, ``--data``, ``--tokenizer``) made absolute, so that a run
+    resumes from any working directory."""
+    values = {k: v for k, v in asdict(config).items() if k not in ("overwrite", "out")}
+    for key in ("model", "tokenizer"):
+        if values[key] is not None and Path(values[key]).exists():
+            values[key] = str(Path(values[key]).resolve())
+    data = values["data"]
+    if data.startswith("hf:") and Path(data[3:].partition(":")[0]).exists():
+        name, colon, rest = data[3:].partition(":")
+        values["data"] = f"hf:{Path(name).resolve()}{colon}{rest}"
+    elif data != "shakespeare" and not data.startswith("hf:") and Path(data).exists():
+        values["data"] = str(Path(data).resolve())
+    return values
