@@ -8,7 +8,7 @@ a checker, under two policies:
 
 - ``gloo``: every tensor slimopt hands to a collective is on the CPU;
 - ``nccl`` (pretended on the CPU): every such tensor was put on the group's device by
-  ``slimopt.distributed.to_group_device`` (under real NCCL: this process's GPU), which the test
+  ``slimopt.collectives.to_group_device`` (under real NCCL: this process's GPU), which the test
   marks instead of moving, since there is no GPU to move to.
 
 Collectives that torch issues itself (FSDP2's all-gathers, DCP) are not slimopt's to place.
@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import slimopt
+import slimopt.collectives
 from benchmarks.processes import free_port
 
 WORLD = 2
@@ -85,7 +86,7 @@ class Checker:
 
             patch.setattr(dist, name, checked)
         if self.policy == "nccl":
-            patch.setattr(slimopt.distributed, "to_group_device", _mark)
+            patch.setattr(slimopt.collectives, "to_group_device", _mark)
 
     def _placed(self, tensor: torch.Tensor) -> bool:
         if self.policy == "gloo":
@@ -221,8 +222,8 @@ def test_every_collective_has_its_tensors_on_the_backends_device(policy: str, tm
         # The collectives the CPU tensors of the defect went through, and the others: each was
         # reached, so the check is not vacuous.
         expected = {
-            "all_reduce in slimopt.distributed.all_reduce",
-            "broadcast in slimopt.distributed.broadcast",
+            "all_reduce in slimopt.collectives.all_reduce",
+            "broadcast in slimopt.collectives.broadcast",
         }
         assert calls == expected, calls  # no collective of slimopt's bypasses the two helpers
         # Each place the defect's CPU tensors came from was reached: device flags voted on, a
@@ -235,6 +236,6 @@ def test_every_collective_has_its_tensors_on_the_backends_device(policy: str, tm
 def test_the_group_device_is_the_gpu_under_nccl_and_the_cpu_otherwise(monkeypatch) -> None:
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    assert slimopt.distributed.group_device() == torch.device("cuda", 3)
+    assert slimopt.collectives.group_device() == torch.device("cuda", 3)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
-    assert slimopt.distributed.group_device() == torch.device("cpu")
+    assert slimopt.collectives.group_device() == torch.device("cpu")

@@ -448,7 +448,7 @@ def _one_line_warning(message: Any, category: Any, *args: Any, **kwargs: Any) ->
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``slimopt`` console script; returns the exit code."""
-    from slimopt.train.checkpoint import CheckpointError
+    from slimopt.train.checkpoint import CheckpointError, CheckpointWriteError
     from slimopt.train.corpus import CorpusError
 
     for name in QUIET_LOGGERS:
@@ -472,6 +472,14 @@ def main(argv: list[str] | None = None) -> int:
             if _first_process():  # under torchrun every process fails alike: say it once
                 print(f"slimopt: error: {error}", file=sys.stderr)
             return 2
+        except CheckpointWriteError as error:  # not bad input: the disk or the file system
+            print(f"slimopt: error: {error}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:  # outside training steps (which finish theirs, save and stop)
+            print(
+                "slimopt: interrupted outside a training step; saved runs are as they were", file=sys.stderr
+            )
+            return 130
 
 
 def _first_process() -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slimopt.distributed import all_reduce
+from slimopt.collectives import all_reduce
 
 # Devices where the fused path leaves its decisions on the device. On the CPU reading a flag
 # waits for nothing, while masking every write with it costs: the fused int8 step of an

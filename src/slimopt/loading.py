@@ -44,6 +44,22 @@ def is_slimopt_state_dict(state_dict: dict[str, Any]) -> bool:
     return all("states" in group for group in state_dict["param_groups"])
 
 
+def prepared(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` as ``optimizer.load_state_dict`` loads it: checked for its groups and
+    layout (``ValueError`` otherwise), torch.optim.AdamW's converted, options newer than it
+    filled in, counters as integers, and each group's ``fused`` the optimizer's own (how it
+    runs here, on this device and compiler, is not a setting of the run)."""
+    check_groups(optimizer, state_dict)
+    if not is_slimopt_state_dict(state_dict):
+        state_dict = from_torch_adam(optimizer, state_dict)
+    state_dict = integer_counters(fill_new_options(optimizer, state_dict))
+    groups = zip(state_dict["param_groups"], optimizer.param_groups, strict=True)
+    state_dict = {**state_dict, "param_groups": [{**saved, "fused": own["fused"]} for saved, own in groups]}
+    check_layout(optimizer, state_dict)
+    check_ternary_layout(state_dict)
+    return state_dict
+
+
 def check_groups(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None:
     """Raise ``ValueError`` unless ``state_dict`` has the optimizer's number of param groups,
     each with as many parameters (as ``torch.optim.Optimizer.load_state_dict`` does), and state
@@ -199,10 +215,11 @@ def fill_new_options(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> 
 
 
 def _options() -> set[str]:
-    """The projection and storage options every slimopt group has, whatever its update rule."""
+    """The options every slimopt group has, whatever its update rule: projection, storage, and
+    the group's ``rule`` (None, the optimizer's own, in checkpoints older than that option)."""
     from slimopt.optimizer import PROJECTION_DEFAULTS, STORAGE_DEFAULTS
 
-    return {*PROJECTION_DEFAULTS, *STORAGE_DEFAULTS}
+    return {*PROJECTION_DEFAULTS, *STORAGE_DEFAULTS, "rule"}
 
 
 def check_layout(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None:

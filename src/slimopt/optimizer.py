@@ -436,19 +436,7 @@ class GaLoreOptimizer(Optimizer):
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             rewritten = hook(self, state_dict)
             state_dict = state_dict if rewritten is None else rewritten
-        loading.check_groups(self, state_dict)
-        if not loading.is_slimopt_state_dict(state_dict):
-            state_dict = loading.from_torch_adam(self, state_dict)
-        state_dict = loading.integer_counters(loading.fill_new_options(self, state_dict))
-        # fused is how this optimizer runs here (the device, the compiler), not a setting of the
-        # run: each group keeps its own, as it keeps its storage format.
-        groups = zip(state_dict["param_groups"], self.param_groups, strict=True)
-        state_dict = {
-            **state_dict,
-            "param_groups": [{**saved, "fused": own["fused"]} for saved, own in groups],
-        }
-        loading.check_layout(self, state_dict)
-        loading.check_ternary_layout(state_dict)
+        state_dict = loading.prepared(self, state_dict)
         pairs = zip(state_dict["param_groups"], self.param_groups, strict=True)
         for index, (saved, current) in enumerate(pairs):
             errors = self._group_errors({**saved, "params": current["params"]})

@@ -329,15 +329,7 @@ def build_optimizer(
     if spec.projected and projected:
         rank = default_rank(matrices) if rank is None else rank
         warn_if_projection_saves_nothing(matrices, rank)
-    # Weights FSDP2 splits by rows take their basis on the side it does not split, unless the
-    # user chose a side (a side on the split rows is refused, naming this one).
-    if any(split_by_rows(p) for p in projected) and "proj_type" not in projection:
-        projection["proj_type"] = ROW_SPLIT_PROJ_TYPE
-        flipped = None  # the split rows are the stored matrix's, whatever its layout
-    else:
-        # A basis side named by the user ("left": the output side of a layer) is the other side
-        # of a transposed weight; the other proj_types choose by shape, the same for both layouts.
-        flipped = FLIPPED_SIDES.get(projection.get("proj_type", ""))
+    flipped = _choose_side(projection, projected)
     transposed = [p for p in projected if id(p) in transposed_ids] if flipped else []
     experts = [p for p in projected if id(p) in expert_ids]
     linear_layout = [p for p in projected if not any(p is q for q in transposed + experts)]
@@ -358,6 +350,20 @@ def build_optimizer(
         {"name": "no_decay", "params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
     ]
     return spec.cls([g for g in groups if g["params"]], lr=lr, **options)
+
+
+def _choose_side(projection: dict[str, Any], projected: list[Tensor]) -> str | None:
+    """Set ``projection``'s ``proj_type`` where weights FSDP2 splits by rows need one, and return
+    the side a transposed (``Conv1D``) weight takes instead of a named one (None: the same).
+
+    Weights split by rows take their basis on the side FSDP2 does not split unless the user
+    chose a side (one on the split rows is refused, naming this one); those rows are the stored
+    matrix's whatever its layout. A side the user names ("left": the output side of a layer) is
+    the other side of a transposed weight; the other proj_types choose by shape alike."""
+    if any(split_by_rows(p) for p in projected) and "proj_type" not in projection:
+        projection["proj_type"] = ROW_SPLIT_PROJ_TYPE
+        return None
+    return FLIPPED_SIDES.get(projection.get("proj_type", ""))
 
 
 def _target_weight_ids(

@@ -39,6 +39,11 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete, corrupt or from another model."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that could not be written (a full disk, a failing file system); the
+    checkpoints written before it are as they were."""
+
+
 def save_checkpoint(
     directory: str | Path,
     step: int,
@@ -55,6 +60,7 @@ def save_checkpoint(
     ``sharded`` (FSDP2) each writes its own shards, otherwise the first process writes alone.
     """
     from safetensors.torch import save_model
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from slimopt.distributed import barrier, process_rank
     from slimopt.distributed import checkpoint as sharded_checkpoint
@@ -65,29 +71,51 @@ def save_checkpoint(
     staging = directory / f".{final.name}.tmp"
     if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO: the whole state onto the first process
         optimizer.consolidate_state_dict(to=0)
-    if first:
-        directory.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-    barrier()
-    if sharded:
-        sharded_checkpoint.write(staging / SHARDED, model, optimizer)
-    if first:
-        if not sharded:
-            save_model(model, str(staging / "model.safetensors"))
-            torch.save(optimizer.state_dict(), staging / "optimizer.pt")
-        torch.save(trainer, staging / "trainer.pt")
-        files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
-        layout = SHARDED if sharded else "whole"
-        described = {name: _describe(staging / name) for name in files}
-        manifest = {"step": step, "layout": layout, "files": described}
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        for path in staging.rglob("*"):
-            _fsync(path)
-        move_into_place(staging, final)  # re-saving a step replaces it
-        _fsync(directory)
+    try:
+        if first:
+            directory.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir()
+        barrier()
+        if sharded:
+            sharded_checkpoint.write(staging / SHARDED, model, optimizer)
+        if first:
+            if not sharded:
+                save_model(model, str(staging / "model.safetensors"))
+                torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+            torch.save(trainer, staging / "trainer.pt")
+            _seal(staging, step, SHARDED if sharded else "whole")
+            move_into_place(staging, final)  # re-saving a step replaces it
+            _fsync(directory)
+    except (OSError, CheckpointException) as error:
+        if first:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointWriteError(
+            f"could not write the checkpoint of step {step} ({_cause(error)}); the checkpoints "
+            f"before it in {directory} are as they were"
+        ) from error
     barrier()
     return final
+
+
+def _seal(staging: Path, step: int, layout: str) -> None:
+    """Write the manifest of the finished files in ``staging`` (last), then flush everything
+    to the disk: a checkpoint with a manifest is complete."""
+    files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
+    described = {name: _describe(staging / name) for name in files}
+    manifest = {"step": step, "layout": layout, "files": described}
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    for path in staging.rglob("*"):
+        _fsync(path)
+
+
+def _cause(error: BaseException) -> str:
+    """The first line of what went wrong (DCP gathers the processes' failures into one)."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        rank, failure = next(iter(failures.items()))
+        return f"process {rank}: {_cause(failure[0] if isinstance(failure, tuple) else failure)}"
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:

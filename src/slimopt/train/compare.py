@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from slimopt.files import write_atomically
+from slimopt.train import metrics
 from slimopt.train.config import TrainConfig
 from slimopt.train.loop import Data, check_optimizer, prepare_data, train
 from slimopt.train.rundir import check_out, claim
@@ -48,7 +50,7 @@ def _train_each(configs: list[TrainConfig], out: Path, data: Data, progress: boo
     for number, config in enumerate(configs, start=1):
         label = f"{config.optimizer} {number}/{len(configs)}"
         summary = train(config, progress=progress, label=label, data=data)
-        history = [json.loads(line) for line in (Path(config.out) / "metrics.jsonl").read_text().splitlines()]
+        history = metrics.read(Path(config.out) / metrics.NAME)
         results.append({**summary, "history": history})
         if summary["interrupted"]:
             print(
@@ -57,9 +59,9 @@ def _train_each(configs: list[TrainConfig], out: Path, data: Data, progress: boo
                 file=sys.stderr,
             )
             return results
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    write_atomically(out / "results.json", json.dumps(results, indent=1))
     table = markdown_table(results)
-    (out / "results.md").write_text(table)
+    write_atomically(out / "results.md", table)
     plot_losses(results, out / "losses.png")
     print(table)
     print(f"results in {out}: results.md, results.json, losses.png; one run directory per optimizer")

@@ -27,8 +27,10 @@ from torch import Tensor, nn
 
 from slimopt.describe import describe as describe_optimizer
 from slimopt.distributed import barrier, from_first, local_view
+from slimopt.files import write_atomically
 from slimopt.layerwise import layerwise
 from slimopt.memory import LiveBytes, state_nbytes, state_tensors
+from slimopt.train import metrics
 from slimopt.train.checkpoint import checkpoint_to_resume, load_resumed, save_checkpoint
 from slimopt.train.config import TrainConfig, saved_config
 from slimopt.train.corpus import load_corpus, split_documents
@@ -275,12 +277,9 @@ def _take_directory(run: _Run) -> RunLock | None:
     if problem is not None:
         raise problem
     if run.parallel.main:
-        metrics_path = out / "metrics.jsonl"
-        if run.checkpoint is not None and metrics_path.exists():
-            lines = metrics_path.read_text().splitlines()
-            kept = [line for line in lines if json.loads(line)["step"] <= run.start_step]
-            metrics_path.write_text("".join(line + "\n" for line in kept))
-        (out / "config.json").write_text(json.dumps(saved_config(config), indent=1))
+        if run.checkpoint is not None:
+            metrics.keep_until(out / metrics.NAME, run.start_step)
+        write_atomically(out / "config.json", json.dumps(saved_config(config), indent=1))
     return lock
 
 
@@ -310,7 +309,7 @@ def _train(run: _Run, progress: bool, label: str | None) -> dict[str, Any]:
     peaks = parallel.gather(peak)
     if not parallel.main:
         return _finished(None)
-    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    history = metrics.read(out / metrics.NAME)
     evaluations = [r for r in history if "val_loss" in r]
     summary: dict[str, Any] = {
         "optimizer": config.optimizer,
@@ -336,13 +335,74 @@ def _train(run: _Run, progress: bool, label: str | None) -> dict[str, Any]:
             "state_bytes_per_process": state_bytes,
             "peak_memory_bytes_per_process": peaks,
         }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_atomically(out / "summary.json", json.dumps(summary, indent=1))
     return _finished(summary)
 
 
 def _steps(run: _Run, say: Callable[[str], None], bar: Any) -> tuple[bool, int]:
     """The training steps from the run's start to ``--steps``, with validations, the log and
     checkpoints; returns whether SIGINT stopped them, and the peak memory of a step."""
+    config, parallel = run.config, run.parallel
+    handle = None  # layer-wise: the handle updates, clips (per tensor) and steps the schedule in backward
+    if config.layerwise:
+        accumulation = config.micro_batches(parallel.world)[1]
+        clip = config.grad_clip or None
+        handle = layerwise(
+            run.optimizer,
+            accumulation,
+            max_grad_norm=clip,
+            scheduler=run.schedule,
+            refresh_from=config.refresh_from,
+        )
+    if run.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(run.device)  # a comparison trains several models in one process
+    memory = peak = 0
+    try:
+        with _Interrupt() as interrupt:
+            for step in range(run.start_step + 1, config.steps + 1):
+                record, stop = _step(run, step, handle, interrupt)
+                memory = record.get("memory_bytes", memory)
+                peak = max(peak, memory)
+                if step % config.eval_every == 0 or step == config.steps:
+                    micro = config.micro_batches(parallel.world)[0]
+                    record["val_loss"] = evaluate(run.wrapped, run.validation_rows, config, run.device, micro)
+                    record["val_ppl"] = math.exp(record["val_loss"])
+                    val_loss, val_ppl = record["val_loss"], record["val_ppl"]
+                    say(f"step {step}: validation loss {val_loss:.4f}, perplexity {val_ppl:.2f}")
+                if parallel.main:
+                    metrics.append(run.out / metrics.NAME, record)
+                bar.update(1)
+                bar.set_postfix(
+                    loss=f"{record['loss']:.3f}",
+                    lr=f"{record['lr']:.2e}",
+                    tok_s=f"{record['tokens_per_s']:.0f}",
+                    mem=f"{memory / 2**20:.0f}MiB",
+                )
+                if stop:
+                    checkpoint = _save(run, step)
+                    again = (
+                        "slimopt train" if parallel.strategy is None else "torchrun ... -m slimopt.cli train"
+                    )
+                    say(
+                        f"interrupted at step {step} of {config.steps}; saved {checkpoint}. "
+                        f"Continue with: {again} --resume {shlex.quote(str(run.out))}"
+                    )
+                    return True, peak
+                if config.save_every and step % config.save_every == 0 and step != config.steps:
+                    _save(run, step)
+        finished_before = run.checkpoint is not None and run.start_step == config.steps
+        if not finished_before or run.checkpoint.parent.parent != run.out:
+            _save(run, config.steps)  # (a run resumed at --steps in its own directory has it)
+        return False, peak
+    finally:
+        if handle is not None:
+            handle.remove()
+        bar.close()
+
+
+def _step(run: _Run, step: int, handle: Any, interrupt: _Interrupt) -> tuple[dict[str, Any], bool]:
+    """One optimizer step (its micro-batches, clipping, the update and the schedule): its log
+    record, and whether any process was asked to stop."""
     config, parallel, device, model, optimizer = (
         run.config,
         run.parallel,
@@ -351,111 +411,59 @@ def _steps(run: _Run, say: Callable[[str], None], bar: Any) -> tuple[bool, int]:
         run.optimizer,
     )
     micro, accumulation = config.micro_batches(parallel.world)
-    metrics_path = run.out / "metrics.jsonl"
+    began = time.perf_counter()
+    loss = 0.0
+    lr = run.schedule.get_last_lr()[0]
+    # On the CPU the first steps of a run are counted exactly: the first creates the optimizer
+    # state and bases, the second is a steady step (what slimopt memory plans).
+    tracker = track_memory(model, optimizer) if device.type == "cpu" and step <= run.start_step + 2 else None
+    with tracker or contextlib.nullcontext():
+        for _ in range(accumulation):
+            batch = parallel.take(run.batches.take(micro * parallel.world)).to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+                micro_loss = run.wrapped(input_ids=batch, labels=batch).loss / accumulation
+            micro_loss.backward()
+            loss += micro_loss.item()
+            del batch, micro_loss
+        if handle is None:
+            if config.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            optimizer.step()
+            run.schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+    # One all-reduce: the mean loss over the processes, and whether any was interrupted.
+    loss, stop = parallel.sum([loss, float(interrupt.requested)])
+    tokens = config.batch_size * config.seq_len
+    record = {
+        "step": step,
+        "loss": loss / parallel.world,
+        "lr": lr,
+        "tokens_per_s": tokens / (time.perf_counter() - began),
+    }
+    if tracker is not None:
+        record["memory_bytes"] = tracker.peak
+    elif device.type == "cuda":
+        record["memory_bytes"] = torch.cuda.max_memory_allocated(device)
+    return record, bool(stop)
 
-    def save(step: int) -> Path:
-        trainer_state = {
-            "step": step,
-            "position": run.batches.position,
-            "schedule": run.schedule.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(),
-        }
-        sharded = parallel.sharded_checkpoints
-        return save_checkpoint(
-            run.out / "checkpoints", step, model, optimizer, trainer_state, sharded=sharded
-        )
 
-    # Layer-wise: the handle updates, clips (per tensor) and steps the schedule inside backward.
-    handle = None
-    if config.layerwise:
-        handle = layerwise(
-            optimizer,
-            accumulation,
-            max_grad_norm=config.grad_clip or None,
-            scheduler=run.schedule,
-            refresh_from=config.refresh_from,
-        )
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)  # a comparison trains several models in one process
-    tokens_per_step = config.batch_size * config.seq_len
-    memory = peak = 0
-    interrupted = False
-    with _Interrupt() as interrupt:
-        for step in range(run.start_step + 1, config.steps + 1):
-            began = time.perf_counter()
-            loss = 0.0
-            lr = run.schedule.get_last_lr()[0]
-            # On the CPU the first steps of a run are counted exactly: the first creates the
-            # optimizer state and bases, the second is a steady step (what slimopt memory plans).
-            tracker = None
-            if device.type == "cpu" and step <= run.start_step + 2:
-                tracker = track_memory(model, optimizer)
-            with tracker or contextlib.nullcontext():
-                for _ in range(accumulation):
-                    batch = parallel.take(run.batches.take(micro * parallel.world)).to(device)
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-                        micro_loss = run.wrapped(input_ids=batch, labels=batch).loss / accumulation
-                    micro_loss.backward()
-                    loss += micro_loss.item()
-                    del batch, micro_loss
-                if handle is None:
-                    if config.grad_clip > 0:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-                    optimizer.step()
-                    run.schedule.step()
-                optimizer.zero_grad(set_to_none=True)
-            # One all-reduce: the mean loss over the processes, and whether any was interrupted.
-            loss, stop = parallel.sum([loss, float(interrupt.requested)])
-            loss /= parallel.world
-            record = {
-                "step": step,
-                "loss": loss,
-                "lr": lr,
-                "tokens_per_s": tokens_per_step / (time.perf_counter() - began),
-            }
-            if tracker is not None:
-                record["memory_bytes"] = memory = tracker.peak
-            elif device.type == "cuda":
-                record["memory_bytes"] = memory = torch.cuda.max_memory_allocated(device)
-            peak = max(peak, memory)
-            if step % config.eval_every == 0 or step == config.steps:
-                record["val_loss"] = evaluate(run.wrapped, run.validation_rows, config, device, micro)
-                record["val_ppl"] = math.exp(record["val_loss"])
-                val_loss, val_ppl = record["val_loss"], record["val_ppl"]
-                say(f"step {step}: validation loss {val_loss:.4f}, perplexity {val_ppl:.2f}")
-            if parallel.main:
-                with metrics_path.open("a") as stream:
-                    stream.write(json.dumps(record) + "\n")
-            bar.update(1)
-            bar.set_postfix(
-                loss=f"{loss:.3f}",
-                lr=f"{lr:.2e}",
-                tok_s=f"{record['tokens_per_s']:.0f}",
-                mem=f"{memory / 2**20:.0f}MiB",
-            )
-            if stop:
-                interrupted = True
-                checkpoint = save(step)
-                again = "slimopt train" if parallel.strategy is None else "torchrun ... -m slimopt.cli train"
-                say(
-                    f"interrupted at step {step} of {config.steps}; saved {checkpoint}. "
-                    f"Continue with: {again} --resume {shlex.quote(str(run.out))}"
-                )
-                break
-            if config.save_every and step % config.save_every == 0 and step != config.steps:
-                save(step)
-        else:
-            if (
-                run.checkpoint is None
-                or run.start_step < config.steps
-                or run.checkpoint.parent.parent != run.out
-            ):
-                save(config.steps)  # (a resumed run already at --steps has its checkpoint)
-    if handle is not None:
-        handle.remove()
-    bar.close()
-    return interrupted, peak
+def _save(run: _Run, step: int) -> Path:
+    """Write the checkpoint of ``step`` (every process calls this) and return its path."""
+    trainer_state = {
+        "step": step,
+        "position": run.batches.position,
+        "schedule": run.schedule.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+    }
+    return save_checkpoint(
+        run.out / "checkpoints",
+        step,
+        run.model,
+        run.optimizer,
+        trainer_state,
+        sharded=run.parallel.sharded_checkpoints,
+    )
 
 
 def _finished(summary: dict[str, Any] | None) -> dict[str, Any]:

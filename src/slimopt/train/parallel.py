@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from slimopt.distributed import STRATEGIES, all_reduce, barrier
+from slimopt.collectives import all_reduce
+from slimopt.distributed import STRATEGIES, barrier
 
 
 @dataclass

@@ -63,7 +63,8 @@ def _is_run_config(path: Path) -> bool:
 
 def foreign_entries(path: Path) -> list[str]:
     """The names of what ``path`` holds that no slimopt run or comparison wrote."""
-    ours = {*RUN_FILES, *COMPARISON_FILES, LOCK}
+    written = (*RUN_FILES, *COMPARISON_FILES)
+    ours = {*written, LOCK, *(f".{name}.tmp" for name in written)}  # and a write a kill cut short
     foreign = []
     for entry in sorted(path.iterdir()):
         if entry.name in ours and (entry.name != "config.json" or _is_run_config(entry)):

@@ -1,0 +1,127 @@
+"""The table of slimopt configurations that generic tests run over (as torch's ``OptimizerInfo``
+table does for ``torch.optim``): every registry name on a small network, projected where the
+name projects, plus per-expert projection, each with what it can and cannot do.
+
+The network's matrices are 128×64 and 64×128 (rank 32): projected moments of 4096 elements, so
+compressed formats are stored compressed, not left fp32 for being small.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import slimopt
+from slimopt.registry import OPTIMIZERS
+
+RANK = 32
+# Rates at which 20 steps on the toy regression lower the loss clearly for every rule.
+LEARNING_RATES = {"taco": 1e-2, "adafactor": 1e-2, "galore_adafactor": 1e-2}
+
+
+class Experts(nn.Module):
+    """A mixture of experts' stacked weights (4 experts of 32×64): build_optimizer projects each
+    expert on its own (its class name says Experts)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter((torch.randn(4, 32, 64) * 0.1).to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bi,eoi->bo", x, self.weight) / 4
+
+
+class Net(nn.Module):
+    """64 → 128 → 64 with a layer norm (vectors: the unprojected no-decay group), and experts."""
+
+    def __init__(self, experts: bool = False, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.up = nn.Linear(64, 128, dtype=dtype)
+        self.down = nn.Linear(128, 64, dtype=dtype)
+        self.norm = nn.LayerNorm(64, dtype=dtype)
+        self.experts = Experts(dtype) if experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.norm(self.down(torch.tanh(self.up(x))))
+        return out if self.experts is None else out + self.experts(x).repeat(1, 2)
+
+
+def make_net(seed: int = 0, experts: bool = False, dtype: torch.dtype = torch.float32) -> Net:
+    torch.manual_seed(seed)
+    return Net(experts, dtype)
+
+
+def batch(step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    inputs = torch.randn(16, 64, generator=generator)
+    return inputs.to(dtype), torch.sin(inputs * 1.5).to(dtype)
+
+
+def loss_of(net: nn.Module, step: int) -> torch.Tensor:
+    inputs, target = batch(step, next(net.parameters()).dtype)
+    return nn.functional.mse_loss(net(inputs).float(), target.float())
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One optimizer of the table: how to build it for a network, and what it can do."""
+
+    label: str
+    name: str  # registry name
+    experts: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def projected(self) -> bool:
+        return OPTIMIZERS[self.name].projected
+
+    @property
+    def lr(self) -> float:
+        return LEARNING_RATES.get(self.name, 3e-3)
+
+    @property
+    def adam_like(self) -> bool:
+        """Whether its groups have AdamW's ``betas`` (what OneCycleLR's momentum cycles)."""
+        return "betas" in self.build(make_net()).defaults
+
+    @property
+    def complex_ok(self) -> bool:
+        """Whether complex parameters are updated (as real pairs, as torch.optim does): an
+        elementwise rule in unprojected groups only; elsewhere refused at construction."""
+        return not self.projected and self.name not in ("adafactor", "taco")
+
+    def build(self, net: nn.Module, **overrides: Any) -> slimopt.GaLoreOptimizer:
+        options = {"lr": self.lr, **self.options, **overrides}
+        if self.projected:
+            options.setdefault("rank", RANK)
+        return slimopt.build_optimizer(net, self.name, **options)
+
+    def net(self, seed: int = 0, dtype: torch.dtype = torch.float32) -> Net:
+        return make_net(seed, self.experts, dtype)
+
+
+CONFIGURATIONS: list[Configuration] = [Configuration(name, name) for name in slimopt.available_optimizers()]
+CONFIGURATIONS.append(Configuration("galore_adamw8bit (experts)", "galore_adamw8bit", experts=True))
+CONFIGURATIONS.append(
+    Configuration("galore_adamw (bf16 basis)", "galore_adamw", options={"basis_states": "bf16"})
+)
+
+
+def by_label() -> Callable[[Configuration], str]:
+    return lambda configuration: configuration.label
+
+
+def train(net: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
+    """``optimizer`` steps on the toy regression; the losses before each step."""
+    losses = []
+    for step in steps:
+        optimizer.zero_grad()
+        loss = loss_of(net, step)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
