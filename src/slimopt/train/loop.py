@@ -9,6 +9,7 @@ GaLore paper's schedule). A SIGINT finishes the current step, saves a checkpoint
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import random
@@ -178,15 +179,27 @@ def train(
     the optimizer and the checkpoint to resume from have all loaded."""
     parallel = start_run(config.distributed, config.device)
     try:
-        run = _prepare(config, parallel, data)
-        lock = _take_directory(run)
-        try:
-            return _train(run, progress, label)
-        finally:
-            if lock is not None:
-                lock.release()
+        return _prepare_and_train(config, parallel, progress, label, data)
     finally:
+        # The model, the optimizer and what FSDP2 keeps of its last collectives (gloo's work
+        # objects, holding tensors) are gone by now, while the process group and the interpreter
+        # still live: destroyed at interpreter exit instead, after the group, such work aborted
+        # the process now and then ("terminate called without an active exception").
+        gc.collect()
         parallel.close()
+
+
+def _prepare_and_train(
+    config: TrainConfig, parallel: Parallel, progress: bool, label: str | None, data: Data | None
+) -> dict[str, Any]:
+    """``train``'s work; everything it builds is released when it returns."""
+    run = _prepare(config, parallel, data)
+    lock = _take_directory(run)
+    try:
+        return _train(run, progress, label)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 @dataclass
