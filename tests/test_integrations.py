@@ -325,3 +325,22 @@ def test_taco_layerwise_trains_under_the_trainer(shakespeare_tokens, tmp_path) -
     optimizer = trainer.optimizer.optimizer
     assert type(optimizer).__name__ == "TACO" and optimizer.layerwise_handle is not None
     assert {g["name"] for g in optimizer.param_groups} == {"taco", "fallback", "no_decay"}
+
+
+def test_under_accelerate_fsdp2_the_trainer_keeps_the_basis_on_the_unsplit_side(tmp_path) -> None:
+    """accelerate's FSDP2 makes the Trainer build the optimizer before prepare() splits the
+    weights by rows: a projecting name used to be refused at the first step ("use
+    proj_type='right'") unless optim_args named it; the Trainer now chooses it, and keeps a side
+    optim_args names."""
+    from types import SimpleNamespace
+
+    for optim_args, side in ((None, "right"), ("proj_type=std", "std")):
+        trainer = SlimoptTrainer(
+            model=tiny_llama(),
+            args=_args(tmp_path / side, optim_args=optim_args),
+            train_dataset=ShakespeareRows(torch.zeros(1000, dtype=torch.long)),
+            optimizer_name="galore_adamw8bit",
+        )
+        trainer.accelerator.state.fsdp_plugin = SimpleNamespace(fsdp_version=2)
+        optimizer = trainer.create_optimizer()
+        assert [g["proj_type"] for g in optimizer.param_groups if "rank" in g] == [side]

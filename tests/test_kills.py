@@ -4,7 +4,8 @@ inside a DCP checkpoint write, just before a checkpoint's manifest, or its shard
 for a full disk. Afterwards every checkpoint that looks complete verifies, and ``--resume``
 continues from the newest to exactly the uninterrupted run's losses.
 
-CI tries the four points below; ``SLIMOPT_KILL_POINTS=N`` adds random ones (seeded) up to N.
+CI tries the four points below; ``SLIMOPT_KILL_POINTS=N`` adds random distinct ones (seeded) up
+to N.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def _points() -> list[tuple[str, int, int]]:
     points = list(FIXED_POINTS)
     while len(points) < wanted:
         kind = chooser.choice(KINDS)
-        points.append((kind, 0 if kind == "manifest" else chooser.randrange(2), chooser.randint(1, STEPS)))
+        point = (kind, 0 if kind == "manifest" else chooser.randrange(2), chooser.randint(1, STEPS))
+        if point not in points:
+            points.append(point)
     return points
 
 

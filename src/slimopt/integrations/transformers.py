@@ -27,6 +27,7 @@ from slimopt.registry import (
     HF_NAMES,
     OPTIMIZERS,
     OPTION_TYPES,
+    ROW_SPLIT_PROJ_TYPE,
     available_optimizers,
     build_optimizer,
     resolve_name,
@@ -111,16 +112,24 @@ def _typed(key: str, value: str) -> Any:
         raise ValueError(f"optim_args {key}={value!r}: expected {kind.__name__}") from None
 
 
-def create_optimizer(model: nn.Module, args: Any, name: str | None = None) -> GaLoreOptimizer:
+def create_optimizer(
+    model: nn.Module, args: Any, name: str | None = None, *, rows_split: bool = False
+) -> GaLoreOptimizer:
     """The slimopt optimizer ``name`` (default: ``args.optim``) for ``model``, configured from
     ``TrainingArguments`` ``args``.
 
     ``name`` may carry the ``_layerwise`` suffix (the optimizer is the same; ``SlimoptTrainer``
-    adds the hooks). Raises ``ValueError`` for an unknown name, ``optim_args`` key or value, or an
-    ``optim_target_modules`` that matches nothing or is given to an optimizer that does not project.
+    adds the hooks). ``rows_split``: FSDP2 will split the weights by rows after the optimizer is
+    built (accelerate's ``prepare``), so a projecting optimizer keeps its basis on the unsplit
+    side (``proj_type="right"``) unless ``optim_args`` names one, as ``build_optimizer`` does
+    for weights already split. Raises ``ValueError`` for an unknown name, ``optim_args`` key or
+    value, or an ``optim_target_modules`` that matches nothing or is given to an optimizer that
+    does not project.
     """
     base, _ = split_name(trainer_optimizer_name(args, name))
     options = parse_optim_args(getattr(args, "optim_args", None))
+    if rows_split and OPTIMIZERS[base].projected:
+        options.setdefault("proj_type", ROW_SPLIT_PROJ_TYPE)
     hyper: dict[str, Any] = {"weight_decay": args.weight_decay}
     if issubclass(OPTIMIZERS[base].cls, GaLoreAdafactor):
         # Hugging Face's optim="adafactor": the Trainer's learning rate and schedule, no relative step.
@@ -160,8 +169,12 @@ class SlimoptTrainer(Trainer):
     def create_optimizer(self, model: nn.Module | None = None) -> GaLoreOptimizer:
         """Create the slimopt optimizer (once) and, for a ``_layerwise`` name, its hooks."""
         if self.optimizer is None:
+            # Under accelerate's FSDP2 the Trainer builds the optimizer before prepare() shards
+            # the model (it cannot wait), so the weights it sees are whole.
+            plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+            rows_split = plugin is not None and getattr(plugin, "fsdp_version", 1) == 2
             self.optimizer = create_optimizer(
-                self.model if model is None else model, self.args, self.optimizer_name
+                self.model if model is None else model, self.args, self.optimizer_name, rows_split=rows_split
             )
             if self.layerwise:
                 self.layerwise_handle = layerwise(
