@@ -393,7 +393,8 @@ def make_config(options: dict[str, Any], optimizer: str | None = None, *, strict
 
 
 def run_train(options: dict[str, Any]) -> dict[str, Any]:
-    from slimopt.train.loop import describe, train
+    from slimopt.train.loop import train
+    from slimopt.train.report import describe
     from slimopt.train.rundir import run_directory
 
     if options.get("resume"):

@@ -15,7 +15,6 @@ import math
 import random
 import shlex
 import signal
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from slimopt.train.config import TrainConfig, saved_config
 from slimopt.train.corpus import load_corpus, split_documents
 from slimopt.train.models import build_llama, enable_checkpointing
 from slimopt.train.parallel import Parallel, start_run
+from slimopt.train.report import count, messenger, progress_bar
 from slimopt.train.rundir import RunLock, check_free, check_out, claim, run_directory
 from slimopt.train.tokenizer import (
     TextTokenizer,
@@ -298,7 +298,7 @@ def _take_directory(run: _Run) -> RunLock | None:
 
 def _train(run: _Run, progress: bool, label: str | None) -> dict[str, Any]:
     config, parallel, out, model, optimizer = run.config, run.parallel, run.out, run.model, run.optimizer
-    say = _messenger(progress and parallel.main)
+    say = messenger(progress and parallel.main)
     if run.checkpoint is not None:
         say(f"resuming from step {run.start_step} of {config.steps} ({run.checkpoint})")
     parameters = sum(p.numel() for p in model.parameters())
@@ -308,7 +308,7 @@ def _train(run: _Run, progress: bool, label: str | None) -> dict[str, Any]:
     paths = getattr(getattr(optimizer, "optim", optimizer), "fused_path", [])
     fused = " (fused step)" if paths and all(path == "fused" for path in paths) else ""
     say(
-        f"training {config.model} ({_count(parameters)} parameters) with {config.optimizer}"
+        f"training {config.model} ({count(parameters)} parameters) with {config.optimizer}"
         f"{_rank_note(optimizer, config)}{run.note}{fused} on {where}; run directory {out}"
     )
     say(describe_optimizer(getattr(optimizer, "optim", optimizer), model, parameters=False))
@@ -316,7 +316,7 @@ def _train(run: _Run, progress: bool, label: str | None) -> dict[str, Any]:
     interrupted, peak = _steps(
         run,
         say,
-        _progress(progress and parallel.main, config.steps, run.start_step, label or config.optimizer),
+        progress_bar(progress and parallel.main, config.steps, run.start_step, label or config.optimizer),
     )
     state_bytes = parallel.gather(state_nbytes(optimizer))
     peaks = parallel.gather(peak)
@@ -502,38 +502,6 @@ def _record_choices(config: TrainConfig, optimizer: Any, parallel: Parallel) -> 
     return ""
 
 
-def describe(summary: dict[str, Any]) -> str:
-    """The end of a run in a few human lines: results, and where the files are."""
-    done = "interrupted after" if summary["interrupted"] else "finished"
-    lines = [
-        f"{summary['optimizer']}: {done} {summary['steps']} of {summary['total_steps']} steps in "
-        f"{_duration(summary['seconds'])} on {summary['device']}"
-    ]
-    if summary["final_train_loss"] is not None:
-        results = f"training loss {summary['final_train_loss']:.4f}"
-        if summary["val_loss"] is not None:
-            results += f", validation loss {summary['val_loss']:.4f} (perplexity {summary['val_ppl']:.2f})"
-        lines.append("  " + results)
-    lines.append(
-        f"  optimizer state {summary['state_bytes'] / 2**20:.2f} MiB, peak memory "
-        f"{summary['peak_memory_bytes'] / 2**20:.1f} MiB, {summary['tokens_per_s']:.0f} tokens/s"
-    )
-    lines.append(f"  files in {summary['out']}: config.json, metrics.jsonl, summary.json, checkpoints/")
-    return "\n".join(lines)
-
-
-def _count(number: int) -> str:
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if number >= scale:
-            return f"{number / scale:.1f}{suffix}"
-    return str(number)
-
-
-def _duration(seconds: float) -> str:
-    minutes, rest = divmod(round(seconds), 60)
-    return f"{seconds:.1f} s" if seconds < 60 else f"{minutes} min {rest} s"
-
-
 def _rank_note(optimizer: torch.optim.Optimizer, config: TrainConfig) -> str:
     ranks = [group["rank"] for group in optimizer.param_groups if "rank" in group]
     if not ranks:
@@ -541,22 +509,3 @@ def _rank_note(optimizer: torch.optim.Optimizer, config: TrainConfig) -> str:
     if "rank" in config.optimizer_options:
         return f" (rank {ranks[0]})"
     return f" (rank {ranks[0]}, the default: a quarter of the matrices' smaller side)"
-
-
-def _messenger(enabled: bool) -> Callable[[str], None]:
-    """Prints a line to stderr without breaking a progress bar (nothing when not ``enabled``)."""
-    from tqdm.auto import tqdm
-
-    def say(message: str) -> None:
-        if enabled:
-            tqdm.write(message, file=sys.stderr)
-
-    return say
-
-
-def _progress(enabled: bool, total: int, initial: int, label: str) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True, desc=label
-    )
