@@ -1,8 +1,11 @@
-"""Shared fixtures: markers, the built-in Shakespeare corpus and a tiny LLaMA."""
+"""Shared fixtures and helpers: markers, the built-in Shakespeare corpus, a tiny LLaMA, the CLI's
+workspace, and fresh processes for multi-process tests."""
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,3 +119,26 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     text = "".join(document.text for document in load_corpus("shakespeare"))
     (root / "text" / "shakespeare.txt").write_text(text[:200_000])
     return root
+
+
+def run_ranks(worker: Callable[..., None], args: tuple, world: int, out: Path, timeout: float) -> list[dict]:
+    """Run ``worker(rank, *args)`` in ``world`` fresh (spawned) processes, each saving its result
+    as ``out/rank<N>.pt`` or its traceback as ``out/rank<N>.error``; their results, by rank.
+    Fails with the processes' tracebacks when one fails, and after ``timeout`` seconds; no
+    process outlives it."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"processes still running after {timeout} s")
+    except Exception:
+        errors = [p.read_text() for p in sorted(out.glob("rank*.error"))]
+        raise AssertionError("\n".join(errors) or "a process failed") from None
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(world)]

@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import slimopt
 import slimopt.collectives
 from benchmarks.processes import free_port
+
+from .conftest import run_ranks
 
 WORLD = 2
 COLLECTIVES = (
@@ -194,29 +194,10 @@ def _worker(rank: int, port: int, policy: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _run(policy: str, tmp_path: Path, timeout: float = 300) -> list[dict]:
-    context = mp.start_processes(
-        _worker, args=(free_port(), policy, str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"processes still running after {timeout} s")
-    except Exception:
-        errors = [p.read_text() for p in sorted(tmp_path.glob("rank*.error"))]
-        raise AssertionError("\n".join(errors) or "a process failed") from None
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
-
-
 @pytest.mark.slow  # two processes, twice: about 40 s
 @pytest.mark.parametrize("policy", ["gloo", "nccl"])
 def test_every_collective_has_its_tensors_on_the_backends_device(policy: str, tmp_path: Path) -> None:
-    for result in _run(policy, tmp_path):
+    for result in run_ranks(_worker, (free_port(), policy, str(tmp_path)), WORLD, tmp_path, timeout=300):
         assert not result["misplaced"], result["misplaced"]
         calls = set(result["calls"])
         # The collectives the CPU tensors of the defect went through, and the others: each was

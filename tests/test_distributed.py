@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import io
 import os
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import slimopt
 from benchmarks.processes import free_port
+
+from .conftest import run_ranks
 
 WORLD = 2
 STEPS = 6
@@ -291,24 +291,9 @@ class CountGathers:
             setattr(dist, name, original)
 
 
-def run_ranks(strategy: str, tmp_path: Path, timeout: float = 600) -> list[dict]:
+def _run_ranks(strategy: str, tmp_path: Path) -> list[dict]:
     """Run ``_worker`` in WORLD fresh processes; their results, one dict per rank."""
-    context = mp.start_processes(
-        _worker, args=(free_port(), strategy, str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{strategy} processes still running after {timeout} s")
-    except Exception:
-        errors = [p.read_text() for p in sorted(tmp_path.glob("rank*.error"))]
-        raise AssertionError("\n".join(errors) or "a process failed") from None
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
+    return run_ranks(_worker, (free_port(), strategy, str(tmp_path)), WORLD, tmp_path, timeout=600)
 
 
 def relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -347,7 +332,7 @@ def references() -> dict[str, dict[str, torch.Tensor]]:
 @pytest.mark.slow  # two processes, four optimizers: about 30 s
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero1"])
 def test_distributed_training_equals_one_process(strategy, references, tmp_path) -> None:
-    ranks = run_ranks(strategy, tmp_path)
+    ranks = _run_ranks(strategy, tmp_path)
     for name in NAMES:
         first, second = ranks[0][name], ranks[1][name]
         parameters = [key for key in references[name] if not key.endswith(".basis")]
@@ -461,7 +446,7 @@ def test_distributed_checkpoints_resume_exactly_and_load_into_another_world_size
     from slimopt.distributed import checkpoint
 
     one = {name: _checkpoint_run(name, tmp_path / f"{name}-one", 1) for name in CHECKPOINT_NAMES}
-    ranks = run_ranks("dcp", tmp_path)
+    ranks = _run_ranks("dcp", tmp_path)
     for name in CHECKPOINT_NAMES:
         two = ranks[0][name]
         # Saved and loaded by 2 processes: every stored tensor restored, the very same run.

@@ -298,6 +298,20 @@ def _assert_same_state_dict(a: dict, b: dict) -> None:
             assert same, (param_id, key)
 
 
+def _assert_continues_alike(
+    configuration: Configuration, net: nn.Module, optimizer, state_dict: dict
+) -> None:
+    """A copy of ``net`` with an optimizer that loads ``state_dict`` (``optimizer``'s, edited)
+    takes the next two steps exactly as ``optimizer`` does."""
+    twin = configuration.net(seed=1)
+    twin.load_state_dict(net.state_dict())
+    loader = configuration.build(twin)
+    loader.load_state_dict(state_dict)
+    train(net, optimizer, range(3, 5))
+    train(twin, loader, range(3, 5))
+    assert _equal(_parameters(net), _parameters(twin))
+
+
 @every_configuration
 def test_an_older_state_dict_loads_with_the_options_it_lacks(configuration: Configuration) -> None:
     """torch's test_can_load_older_state_dict: keys added to param groups since (slimopt's
@@ -310,13 +324,7 @@ def test_an_older_state_dict_loads_with_the_options_it_lacks(configuration: Conf
     for group in state_dict["param_groups"]:
         for key in newer:
             group.pop(key, None)
-    twin = configuration.net(seed=1)
-    twin.load_state_dict(net.state_dict())
-    loader = configuration.build(twin)
-    loader.load_state_dict(state_dict)
-    train(net, optimizer, range(3, 5))
-    train(twin, loader, range(3, 5))
-    assert _equal(_parameters(net), _parameters(twin))
+    _assert_continues_alike(configuration, net, optimizer, state_dict)
 
 
 @every_configuration
@@ -330,13 +338,7 @@ def test_a_tensor_step_loads_as_torch_optim_saves_it(configuration: Configuratio
     for state in state_dict["state"].values():
         for key in [k for k in state if k == "step" or k.endswith(".step")]:
             state[key] = torch.tensor(float(state[key]))
-    twin = configuration.net(seed=1)
-    twin.load_state_dict(net.state_dict())
-    loader = configuration.build(twin)
-    loader.load_state_dict(state_dict)
-    train(net, optimizer, range(3, 5))
-    train(twin, loader, range(3, 5))
-    assert _equal(_parameters(net), _parameters(twin))
+    _assert_continues_alike(configuration, net, optimizer, state_dict)
 
 
 @every_configuration
