@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 from slimopt import __version__
 from slimopt.distributed import STRATEGIES
 from slimopt.layerwise import REFRESH_FROM
-from slimopt.optimizer import PROJECTION_DEFAULTS, STORAGE_DEFAULTS
+from slimopt.options import PROJECTION_DEFAULTS, STORAGE_DEFAULTS
 from slimopt.registry import OPTIMIZERS, OPTION_TYPES, available_optimizers, resolve_name
 from slimopt.train.models import LLAMA_PRESETS
 

@@ -217,7 +217,7 @@ def fill_new_options(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> 
 def _options() -> set[str]:
     """The options every slimopt group has, whatever its update rule: projection, storage, and
     the group's ``rule`` (None, the optimizer's own, in checkpoints older than that option)."""
-    from slimopt.optimizer import PROJECTION_DEFAULTS, STORAGE_DEFAULTS
+    from slimopt.options import PROJECTION_DEFAULTS, STORAGE_DEFAULTS
 
     return {*PROJECTION_DEFAULTS, *STORAGE_DEFAULTS, "rule"}
 

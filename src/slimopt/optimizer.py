@@ -26,8 +26,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from slimopt import kernels, loading
-from slimopt.checks import number_error
-from slimopt.codecs import MIN_COMPRESSED_NUMEL, STATE_FORMATS, moment_codec, state_key
+from slimopt.codecs import MIN_COMPRESSED_NUMEL, moment_codec, state_key
 from slimopt.codecs.draws import stream_seed
 from slimopt.codecs.plain import round_to_bf16_stochastically
 from slimopt.codecs.rows import RowSlicedStorage, matrix_shape, row_sliced_storage, sliced, slices_to_update
@@ -41,8 +40,13 @@ from slimopt.distributed import (
 )
 from slimopt.finite import Decisions, all_finite, decided_on_device, finite_flags
 from slimopt.finite import read as finite_read
+from slimopt.options import (
+    PROJECTION_DEFAULTS,
+    STORAGE_DEFAULTS,
+    group_errors,
+    is_projected,
+)
 from slimopt.projection import (
-    PROJ_METHODS,
     PROJ_TYPES,
     Basis,
     add_projected_back,
@@ -56,7 +60,6 @@ from slimopt.projection import sides as projection_sides
 from slimopt.rules import RULES, AdafactorRule, AdamWRule, TACORule, UpdateRule
 from slimopt.rules.taco import TACO_DEFAULTS, OneSparse
 
-SUBSPACE_POLICIES = ("keep", "reset", "rotate")
 # Random streams of stochastic rounding within one step of one parameter.
 UPDATE_STREAM, SUBSPACE_CHANGE_STREAM, LOAD_STREAM, BASIS_STREAM = 0, 1, 2, 3
 STREAM_STRIDE = 0x9E3779B9  # ⌊2³²/φ⌋, odd
@@ -64,31 +67,7 @@ STREAM_STRIDE = 0x9E3779B9  # ⌊2³²/φ⌋, odd
 IDENTITY = "_slimopt_identity"
 # What _fused_step returns when auto mode could not compile the fused step.
 NOT_COMPILED = object()
-# How a projection basis is stored: entries of orthonormal vectors lose little to 8 bits.
-BASIS_STATES = ("fp32", "bf16", "int8")
 BASIS_KEYS = ("basis_left", "basis_right")
-
-PROJECTION_DEFAULTS: dict[str, Any] = {
-    "update_proj_gap": 200,
-    "scale": 0.25,
-    "proj_type": "std",
-    "proj_method": "subspace",
-    "on_subspace_change": "rotate",
-    "stagger": True,
-    "basis_states": "fp32",
-    # The first dimension of every parameter indexes independent matrices (a mixture of experts'
-    # stacked expert weights): each gets its own basis and moments, as a 2-D parameter would.
-    "experts": False,
-}
-
-STORAGE_DEFAULTS: dict[str, Any] = {
-    "states": "fp32",
-    "block_size": None,
-    "param_rounding": "nearest",
-    "fused": None,
-}
-# How an update is rounded into a bf16 parameter.
-PARAM_ROUNDINGS = ("nearest", "stochastic")
 
 
 class GaLoreOptimizer(Optimizer):
@@ -178,31 +157,8 @@ class GaLoreOptimizer(Optimizer):
         if group.get("rule") is not None and group["rule"] not in RULES:
             valid = ", ".join(RULES)
             return [f"unknown rule {group['rule']!r}; valid: {valid} (or None: the optimizer's own)"]
-        return (
-            self.rule_of(group).validate(group)
-            + _weight_decay_errors(group)
-            + _storage_errors(group)
-            + _projection_errors(group)
-            + self._complex_errors(group)
-            + self._sharding_errors(group)
-            + self._fused_errors(group)
-        )
-
-    def _fused_errors(self, group: dict[str, Any]) -> list[str]:
-        """``fused=True`` is a promise: every parameter of the group takes the fused step."""
-        choice = group["fused"]
-        if choice not in kernels.FUSED_CHOICES:
-            return [f"fused must be None (auto), True or False, got {choice!r}"]
-        if choice is not True:
-            return []
-        reasons = {
-            reason for p in group["params"] if (reason := kernels.unsupported(self.rule_of(group), group, p))
-        }
-        for device_type in {p.device.type for p in group["params"] if not p.is_meta}:
-            compiler = kernels.compiler_error(device_type)
-            if compiler:
-                reasons.add(compiler)
-        return [f"fused=True: {reason}; use fused=None (auto) or False" for reason in sorted(reasons)]
+        rule, owner = self.rule_of(group), type(self).__name__
+        return group_errors(group, rule, owner) + _sharding_errors(group, rule, owner)
 
     def _fused(self, param: Tensor, group: dict[str, Any]) -> bool:
         """Whether ``param`` takes the fused step (``slimopt.kernels``): always with
@@ -240,45 +196,6 @@ class GaLoreOptimizer(Optimizer):
                 paths.append(f"reference ({why})")
         return paths
 
-    def _sharding_errors(self, group: dict[str, Any]) -> list[str]:
-        """DTensors split by rows are updated shard by shard, which is exact for an elementwise
-        rule, and for a projection whose basis is on the unsplit side (right, r×n) found by the
-        subspace method from all-reduced sketches."""
-        errors = [error for p in group["params"] if (error := placement_error(p)) is not None]
-        split = [p for p in group["params"] if split_by_rows(p)]
-        if errors or not split:
-            return errors
-        if group["experts"]:
-            return [
-                f"experts=True: parameters {[tuple(p.shape) for p in split]} are split by rows "
-                "(FSDP2), so no process holds whole experts to project; shard them by experts "
-                "outside FSDP2, or leave them out of the experts group"
-            ]
-        if not self.rule_of(group).elementwise:
-            return [
-                f"{type(self).__name__} needs whole-tensor statistics (RMS, factored means), but "
-                f"parameters {[tuple(p.shape) for p in split]} are split by rows; use an AdamW "
-                "optimizer under FSDP2"
-            ]
-        projected = [p for p in split if _projected(p, group)]
-        if projected and group["proj_method"] != "subspace":
-            errors.append(
-                f"proj_method={group['proj_method']!r} needs whole gradients, but parameters "
-                f"{[tuple(p.shape) for p in projected]} are split by rows; use proj_method='subspace'"
-            )
-        left = [
-            tuple(p.shape)
-            for p in projected
-            if group["proj_type"] in PROJ_TYPES
-            and projection_sides(matrix_shape(p.shape), group["proj_type"])[0]
-        ]
-        if left:
-            errors.append(
-                f"proj_type={group['proj_type']!r} puts the basis of {left} on the rows, which are split "
-                "across processes; use proj_type='right' (basis r×n, replicated) under FSDP2"
-            )
-        return errors
-
     def _sharding(self, param: Tensor) -> RowSharding | None:
         """How ``param`` is split by rows (a collective the first time), or None."""
         if _expert_of(param) is not None:  # experts of split parameters are refused
@@ -297,22 +214,6 @@ class GaLoreOptimizer(Optimizer):
         """``flag``, agreed on by every process holding a shard of ``param`` (all of them true)."""
         sharding = self._sharding(param)
         return flag if sharding is None else sharding.all_agree(flag)
-
-    def _complex_errors(self, group: dict[str, Any]) -> list[str]:
-        """Complex parameters are updated as real pairs (as torch.optim does), which is exact
-        only for an elementwise rule without projection."""
-        shapes = [
-            tuple(p.shape)
-            for p in group["params"]
-            if p.is_complex() and (_projected(p, group) or not self.rule_of(group).elementwise)
-        ]
-        if not shapes:
-            return []
-        where = "a projected group (with rank)" if self.rule_of(group).elementwise else type(self).__name__
-        return [
-            f"complex parameters {shapes} cannot be updated by {where}; put them in a param "
-            "group without rank of an AdamW optimizer (updated as real pairs, like torch.optim)"
-        ]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -492,7 +393,7 @@ class GaLoreOptimizer(Optimizer):
     def projects(self, param: Tensor, group: dict[str, Any]) -> bool:
         """Whether ``param`` is projected (a non-empty tensor of two or more dimensions in a
         group with ``rank``)."""
-        return _projected(param, group)
+        return is_projected(param, group)
 
     def gradient_norm(self, param: Tensor, grad: Tensor) -> Tensor:
         """The fp32 norm of the whole of ``param``'s gradient, of which ``grad`` is this
@@ -986,7 +887,7 @@ class GaLoreOptimizer(Optimizer):
         if split_by_rows(param):
             # Checked at construction too; here for parameters split afterwards (accelerate's
             # FSDP2 puts the sharded parameters into an optimizer built before prepare()).
-            errors = self._sharding_errors({**group, "params": [param]})
+            errors = _sharding_errors({**group, "params": [param]}, self.rule_of(group), type(self).__name__)
             if errors:
                 raise ValueError("; ".join(errors))
         ordinal, projected_ordinal, projected_count = self._ordinal_of(param)
@@ -1006,7 +907,7 @@ class GaLoreOptimizer(Optimizer):
         on each) keeps those, so a process that holds some of the parameters draws as one that
         holds all of them."""
         if self._ordinals is None:
-            projected = [p for g in self.param_groups for p in g["params"] if _projected(p, g)]
+            projected = [p for g in self.param_groups for p in g["params"] if is_projected(p, g)]
             projected_index = {p: i for i, p in enumerate(projected)}
             every = [p for g in self.param_groups for p in g["params"]]
             self._ordinals = {
@@ -1158,6 +1059,45 @@ class GaLoreOptimizer(Optimizer):
 EXPERT_SEED_STRIDE = 100_003
 
 
+def _sharding_errors(group: dict[str, Any], rule: UpdateRule, owner: str) -> list[str]:
+    """DTensors split by rows are updated shard by shard, which is exact for an elementwise
+    rule, and for a projection whose basis is on the unsplit side (right, r×n) found by the
+    subspace method from all-reduced sketches."""
+    errors = [error for p in group["params"] if (error := placement_error(p)) is not None]
+    split = [p for p in group["params"] if split_by_rows(p)]
+    if errors or not split:
+        return errors
+    if group["experts"]:
+        return [
+            f"experts=True: parameters {[tuple(p.shape) for p in split]} are split by rows "
+            "(FSDP2), so no process holds whole experts to project; shard them by experts "
+            "outside FSDP2, or leave them out of the experts group"
+        ]
+    if not rule.elementwise:
+        return [
+            f"{owner} needs whole-tensor statistics (RMS, factored means), but "
+            f"parameters {[tuple(p.shape) for p in split]} are split by rows; use an AdamW "
+            "optimizer under FSDP2"
+        ]
+    projected = [p for p in split if is_projected(p, group)]
+    if projected and group["proj_method"] != "subspace":
+        errors.append(
+            f"proj_method={group['proj_method']!r} needs whole gradients, but parameters "
+            f"{[tuple(p.shape) for p in projected]} are split by rows; use proj_method='subspace'"
+        )
+    left = [
+        tuple(p.shape)
+        for p in projected
+        if group["proj_type"] in PROJ_TYPES and projection_sides(matrix_shape(p.shape), group["proj_type"])[0]
+    ]
+    if left:
+        errors.append(
+            f"proj_type={group['proj_type']!r} puts the basis of {left} on the rows, which are split "
+            "across processes; use proj_type='right' (basis r×n, replicated) under FSDP2"
+        )
+    return errors
+
+
 @contextmanager
 def _hooks_set_aside(optimizer: Optimizer) -> Iterator[None]:
     """``optimizer`` without its load_state_dict hooks for a while (``load_state_dict`` runs
@@ -1253,12 +1193,6 @@ def _step_seed(state: dict[str, Any]) -> int:
     """A seed unique to this parameter and step, so a resumed run draws what an uninterrupted
     one would."""
     return state["seed"] * 1_000_003 + state["step"]
-
-
-def _projected(param: Tensor, group: dict[str, Any]) -> bool:
-    """Whether ``param`` is projected: a non-empty tensor of two or more dimensions in a group
-    with ``rank``."""
-    return "rank" in group and param.dim() >= 2 and param.numel() > 0
 
 
 def _values(param: Tensor) -> Tensor:
@@ -1370,64 +1304,6 @@ def _raw_factored(state: dict[str, Any]) -> tuple[Tensor, Tensor] | None:
 def _stored_parts(state: dict[str, Any], key: str, parts: Iterable[str]) -> dict[str, Tensor]:
     """The stored tensors of moment ``key``, by part."""
     return {part: state[state_key(key, part)] for part in parts}
-
-
-def _storage_errors(group: dict[str, Any]) -> list[str]:
-    errors = []
-    rounding = group["param_rounding"]
-    if rounding not in PARAM_ROUNDINGS:
-        errors.append(f"unknown param_rounding {rounding!r}; valid: {', '.join(PARAM_ROUNDINGS)}")
-    elif group["param_rounding"] == "stochastic":
-        shapes = [tuple(p.shape) for p in group["params"] if p.dtype == torch.float16]
-        if shapes:
-            errors.append(
-                f"param_rounding='stochastic' rounds to bf16, but parameters {shapes} are float16; "
-                "use bf16 parameters or param_rounding='nearest'"
-            )
-    if group["states"] not in STATE_FORMATS:
-        errors.append(f"unknown states {group['states']!r}; valid: {', '.join(STATE_FORMATS)}")
-    size = group["block_size"]
-    if size is not None and (
-        isinstance(size, bool) or not isinstance(size, int) or size < 4 or size & (size - 1)
-    ):
-        errors.append(
-            f"block_size must be a power of two >= 4 (or None for the format's default), got {size!r}"
-        )
-    return errors
-
-
-def _projection_errors(group: dict[str, Any]) -> list[str]:
-    if "rank" not in group:
-        return ["experts=True needs a rank: it projects each expert's matrix"] if group["experts"] else []
-    errors = []
-    if group["experts"] not in (True, False):
-        errors.append(f"experts must be True or False, got {group['experts']!r}")
-    elif group["experts"]:
-        shapes = [tuple(p.shape) for p in group["params"] if p.dim() != 3]
-        if shapes:
-            errors.append(
-                f"experts=True takes 3-D parameters (experts × rows × columns), got shapes {shapes}; "
-                "put them in a group without experts"
-            )
-    rank, gap = group["rank"], group["update_proj_gap"]
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        errors.append(f"rank must be a positive integer, got {rank!r}")
-    if isinstance(gap, bool) or not isinstance(gap, int) or gap <= 0:
-        errors.append(f"update_proj_gap must be a positive integer, got {gap!r}")
-    errors += number_error("scale", group["scale"], strict=True)
-    for key, valid in (
-        ("proj_type", PROJ_TYPES),
-        ("proj_method", PROJ_METHODS),
-        ("on_subspace_change", SUBSPACE_POLICIES),
-        ("basis_states", BASIS_STATES),
-    ):
-        if group[key] not in valid:
-            errors.append(f"unknown {key} {group[key]!r}; valid: {', '.join(valid)}")
-    return errors
-
-
-def _weight_decay_errors(group: dict[str, Any]) -> list[str]:
-    return number_error("weight_decay", group["weight_decay"])
 
 
 class GaLoreAdamW(GaLoreOptimizer):

@@ -18,7 +18,6 @@ from torch import Tensor, nn
 from slimopt.codecs.rows import matrix_shape
 from slimopt.distributed import split_by_rows
 from slimopt.optimizer import (
-    PROJECTION_DEFAULTS,
     TACO,
     AdamW4bit,
     AdamWTernary,
@@ -27,6 +26,7 @@ from slimopt.optimizer import (
     GaLoreAdamW8bit,
     GaLoreOptimizer,
 )
+from slimopt.options import PROJECTION_DEFAULTS
 
 # Projection and storage options, with the type a text value (a flag, optim_args) is read as.
 OPTION_TYPES: dict[str, type] = {

@@ -1,0 +1,154 @@
+"""The param-group schema: every option a slimopt group has besides its rule's hyperparameters,
+with its default, and the validation of a whole group (one message per invalid setting).
+
+Validation that needs to know how the group's tensors are placed across processes (split by
+rows under FSDP2) stays with the optimizer, which holds that knowledge.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slimopt import kernels
+from slimopt.checks import number_error
+from slimopt.codecs import STATE_FORMATS
+from slimopt.projection import PROJ_METHODS, PROJ_TYPES
+from slimopt.rules import UpdateRule
+
+SUBSPACE_POLICIES = ("keep", "reset", "rotate")
+# How a projection basis is stored: entries of orthonormal vectors lose little to 8 bits.
+BASIS_STATES = ("fp32", "bf16", "int8")
+PROJECTION_DEFAULTS: dict[str, Any] = {
+    "update_proj_gap": 200,
+    "scale": 0.25,
+    "proj_type": "std",
+    "proj_method": "subspace",
+    "on_subspace_change": "rotate",
+    "stagger": True,
+    "basis_states": "fp32",
+    # The first dimension of every parameter indexes independent matrices (a mixture of experts'
+    # stacked expert weights): each gets its own basis and moments, as a 2-D parameter would.
+    "experts": False,
+}
+
+STORAGE_DEFAULTS: dict[str, Any] = {
+    "states": "fp32",
+    "block_size": None,
+    "param_rounding": "nearest",
+    "fused": None,
+}
+# How an update is rounded into a bf16 parameter.
+PARAM_ROUNDINGS = ("nearest", "stochastic")
+
+
+def is_projected(param: Tensor, group: dict[str, Any]) -> bool:
+    """Whether ``param`` is projected: a non-empty tensor of two or more dimensions in a group
+    with ``rank``."""
+    return "rank" in group and param.dim() >= 2 and param.numel() > 0
+
+
+def group_errors(group: dict[str, Any], rule: UpdateRule, owner: str) -> list[str]:
+    """One message per invalid setting of the complete param ``group``, whose update rule is
+    ``rule``, of an optimizer named ``owner``: the rule's hyperparameters, weight decay,
+    storage, projection, complex parameters and ``fused``."""
+    return (
+        rule.validate(group)
+        + _weight_decay_errors(group)
+        + _storage_errors(group)
+        + _projection_errors(group)
+        + _complex_errors(group, rule, owner)
+        + _fused_errors(group, rule)
+    )
+
+
+def _fused_errors(group: dict[str, Any], rule: UpdateRule) -> list[str]:
+    """``fused=True`` is a promise: every parameter of the group takes the fused step."""
+    choice = group["fused"]
+    if choice not in kernels.FUSED_CHOICES:
+        return [f"fused must be None (auto), True or False, got {choice!r}"]
+    if choice is not True:
+        return []
+    reasons = {reason for p in group["params"] if (reason := kernels.unsupported(rule, group, p))}
+    for device_type in {p.device.type for p in group["params"] if not p.is_meta}:
+        compiler = kernels.compiler_error(device_type)
+        if compiler:
+            reasons.add(compiler)
+    return [f"fused=True: {reason}; use fused=None (auto) or False" for reason in sorted(reasons)]
+
+
+def _complex_errors(group: dict[str, Any], rule: UpdateRule, owner: str) -> list[str]:
+    """Complex parameters are updated as real pairs (as torch.optim does), which is exact
+    only for an elementwise rule without projection."""
+    shapes = [
+        tuple(p.shape)
+        for p in group["params"]
+        if p.is_complex() and (is_projected(p, group) or not rule.elementwise)
+    ]
+    if not shapes:
+        return []
+    where = "a projected group (with rank)" if rule.elementwise else owner
+    return [
+        f"complex parameters {shapes} cannot be updated by {where}; put them in a param "
+        "group without rank of an AdamW optimizer (updated as real pairs, like torch.optim)"
+    ]
+
+
+def _storage_errors(group: dict[str, Any]) -> list[str]:
+    errors = []
+    rounding = group["param_rounding"]
+    if rounding not in PARAM_ROUNDINGS:
+        errors.append(f"unknown param_rounding {rounding!r}; valid: {', '.join(PARAM_ROUNDINGS)}")
+    elif group["param_rounding"] == "stochastic":
+        shapes = [tuple(p.shape) for p in group["params"] if p.dtype == torch.float16]
+        if shapes:
+            errors.append(
+                f"param_rounding='stochastic' rounds to bf16, but parameters {shapes} are float16; "
+                "use bf16 parameters or param_rounding='nearest'"
+            )
+    if group["states"] not in STATE_FORMATS:
+        errors.append(f"unknown states {group['states']!r}; valid: {', '.join(STATE_FORMATS)}")
+    size = group["block_size"]
+    if size is not None and (
+        isinstance(size, bool) or not isinstance(size, int) or size < 4 or size & (size - 1)
+    ):
+        errors.append(
+            f"block_size must be a power of two >= 4 (or None for the format's default), got {size!r}"
+        )
+    return errors
+
+
+def _projection_errors(group: dict[str, Any]) -> list[str]:
+    if "rank" not in group:
+        return ["experts=True needs a rank: it projects each expert's matrix"] if group["experts"] else []
+    errors = []
+    if group["experts"] not in (True, False):
+        errors.append(f"experts must be True or False, got {group['experts']!r}")
+    elif group["experts"]:
+        shapes = [tuple(p.shape) for p in group["params"] if p.dim() != 3]
+        if shapes:
+            errors.append(
+                f"experts=True takes 3-D parameters (experts × rows × columns), got shapes {shapes}; "
+                "put them in a group without experts"
+            )
+    rank, gap = group["rank"], group["update_proj_gap"]
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        errors.append(f"rank must be a positive integer, got {rank!r}")
+    if isinstance(gap, bool) or not isinstance(gap, int) or gap <= 0:
+        errors.append(f"update_proj_gap must be a positive integer, got {gap!r}")
+    errors += number_error("scale", group["scale"], strict=True)
+    for key, valid in (
+        ("proj_type", PROJ_TYPES),
+        ("proj_method", PROJ_METHODS),
+        ("on_subspace_change", SUBSPACE_POLICIES),
+        ("basis_states", BASIS_STATES),
+    ):
+        if group[key] not in valid:
+            errors.append(f"unknown {key} {group[key]!r}; valid: {', '.join(valid)}")
+    return errors
+
+
+def _weight_decay_errors(group: dict[str, Any]) -> list[str]:
+    return number_error("weight_decay", group["weight_decay"])
