@@ -1,0 +1,187 @@
+"""The golden runs: every configuration of ``tests/configurations.py`` plus the layouts a
+refactoring of the optimizer core could break (a row-sliced matrix, bf16 weights with stochastic
+rounding, an int8 basis), each trained three seeded steps and then two more.
+
+``tests/golden/`` holds what the code at the time of writing produced: a digest of every state
+dict entry and parameter (key, dtype, shape, SHA-256 of the bytes) after steps 3 and 5, and the
+step-3 checkpoints themselves (``torch.save`` files, and DCP directories for two layouts) for the
+test that loads them and continues. Regenerate only when a change of numbers is intended, and
+say why in the commit:
+
+    .venv/bin/python -m tests.golden_runs
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import slimopt
+from slimopt.distributed import checkpoint as dcp_checkpoint
+from tests.configurations import CONFIGURATIONS, Configuration, loss_of, make_net
+
+GOLDEN = Path(__file__).parent / "golden"
+README = Path(__file__).parents[1] / "README.md"
+MANIFEST = GOLDEN / "manifest.json"
+FIRST_STEPS, MORE_STEPS = 3, 2
+
+
+class Wide(nn.Module):
+    """One 2049×2048 matrix: over 2²² elements with a last row slice under 4096, so its
+    unprojected compressed moments are stored by row slices (the small one merged)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2049, 2048) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.weight[:, :64].T) @ self.weight[:, 64:128] / 45
+
+
+@dataclass(frozen=True)
+class GoldenRun:
+    """One golden configuration: a table configuration with its network's dtype or shape."""
+
+    label: str
+    configuration: Configuration
+    dtype: torch.dtype = torch.float32
+    wide: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+    saved: bool = True  # whether its step-3 checkpoint is kept as a file (the wide ones are 8+ MB)
+    dcp: bool = False  # whether a DCP checkpoint is kept too
+    layerwise: dict[str, Any] | None = None  # slimopt.layerwise's options, for updates in backward
+
+    def net(self) -> nn.Module:
+        if self.wide:
+            torch.manual_seed(0)
+            return Wide()
+        return make_net(0, self.configuration.experts, self.dtype)
+
+    def optimizer(self, net: nn.Module) -> slimopt.GaLoreOptimizer:
+        optimizer = self.configuration.build(net, **self.options)
+        if self.layerwise is not None:
+            slimopt.layerwise(optimizer, **self.layerwise)
+        return optimizer
+
+    @property
+    def micro_batches(self) -> int:
+        return 1 if self.layerwise is None else self.layerwise.get("accumulation_steps", 1)
+
+
+def _by_name(name: str) -> Configuration:
+    return next(c for c in CONFIGURATIONS if c.label == name)
+
+
+RUNS: list[GoldenRun] = [GoldenRun(c.label, c, dcp=c.experts) for c in CONFIGURATIONS]
+RUNS += [
+    GoldenRun("adamw8bit (row slices)", _by_name("adamw8bit"), wide=True, saved=False),
+    GoldenRun("adamw_ternary (row slices)", _by_name("adamw_ternary"), wide=True, saved=False),
+    GoldenRun(
+        "galore_adamw_ternary (bf16 weights, stochastic rounding)",
+        _by_name("galore_adamw_ternary"),
+        dtype=torch.bfloat16,
+        options={"param_rounding": "stochastic"},
+        dcp=True,
+    ),
+    GoldenRun(
+        "galore_adamw8bit (int8 basis)", _by_name("galore_adamw8bit"), options={"basis_states": "int8"}
+    ),
+]
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """CPU results depend on the thread count (matmul blocking); golden runs use one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train(run: GoldenRun, net: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        optimizer.zero_grad()
+        for micro_batch in range(run.micro_batches):
+            loss_of(net, step * run.micro_batches + micro_batch).backward()
+        optimizer.step()
+
+
+def digest(net: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Every parameter and state dict entry as key → [dtype, shape, SHA-256 of its bytes];
+    param groups as their JSON text."""
+    state_dict = optimizer.state_dict()
+    entries = {f"param/{name}": _tensor_digest(value) for name, value in net.state_dict().items()}
+    for index, state in state_dict["state"].items():
+        for key, value in state.items():
+            entries[f"state/{index}/{key}"] = _tensor_digest(value) if torch.is_tensor(value) else repr(value)
+    entries["param_groups"] = json.dumps(state_dict["param_groups"], sort_keys=True, default=repr)
+    return entries
+
+
+def _tensor_digest(tensor: torch.Tensor) -> list[Any]:
+    data = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return [str(tensor.dtype), list(tensor.shape), hashlib.sha256(data).hexdigest()]
+
+
+def file_of(run: GoldenRun) -> Path:
+    return GOLDEN / f"{_slug(run.label)}.pt"
+
+
+def dcp_of(run: GoldenRun) -> Path:
+    return GOLDEN / f"{_slug(run.label)}.dcp"
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in label).strip("_")
+
+
+def documented_paths() -> set[str]:
+    """Every ``from slimopt… import …`` name and every dotted ``slimopt.…`` path in the README's
+    text, as module paths and module.attribute paths."""
+    text = README.read_text()
+    paths = set()
+    for module, names in re.findall(r"from (slimopt[\w.]*) import (\([\w,\s]+\)|[\w, ]+)", text):
+        paths |= {f"{module}:{name}" for name in re.findall(r"\w+", names)}
+    for dotted in re.findall(r"(?<![\w.])slimopt(?:\.\w+)+", text):
+        paths.add(dotted)
+    return paths
+
+
+def generate() -> None:
+    """Run every golden configuration at the code as it is and write ``tests/golden``."""
+    shutil.rmtree(GOLDEN, ignore_errors=True)
+    GOLDEN.mkdir()
+    manifest: dict[str, Any] = {
+        "torch": torch.__version__,
+        "import_paths": sorted(documented_paths()),
+        "runs": {},
+    }
+    with one_thread():
+        for run in RUNS:
+            net = run.net()
+            optimizer = run.optimizer(net)
+            train(run, net, optimizer, range(FIRST_STEPS))
+            first = digest(net, optimizer)
+            if run.saved:
+                torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, file_of(run))
+            if run.dcp:
+                dcp_checkpoint.save(dcp_of(run), net, optimizer)
+            train(run, net, optimizer, range(FIRST_STEPS, FIRST_STEPS + MORE_STEPS))
+            manifest["runs"][run.label] = {"first": first, "more": digest(net, optimizer)}
+    MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    generate()
