@@ -27,7 +27,7 @@ def plant(point: str, rank: int, count: int) -> None:
     """Patch the code at ``point`` so that process ``rank`` fails there the ``count``-th time."""
     import torch.distributed.checkpoint.filesystem as dcp_files
 
-    from slimopt.optimizer import GaLoreOptimizer
+    from slimopt.optimizers import GaLoreOptimizer
     from slimopt.train import checkpoint
 
     passes = [0]

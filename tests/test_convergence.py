@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import slimopt.optimizer
+import slimopt.projection
 from slimopt import build_optimizer
 from slimopt.projection import Basis
 from slimopt.train.data import sample_batch
@@ -63,7 +63,7 @@ def final_training_losses(tokens: torch.Tensor, name: str, **options) -> tuple[f
     a random subspace of the same rank instead of the gradient's top one."""
     loss = final_training_loss(tokens, name, **options)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(slimopt.optimizer, "compute_basis", random_basis)
+        patch.setattr(slimopt.projection, "compute_basis", random_basis)
         return loss, final_training_loss(tokens, name, **options)
 
 

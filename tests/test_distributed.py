@@ -13,6 +13,9 @@ import torch
 import torch.distributed as dist
 
 import slimopt
+import slimopt.core.seeds
+import slimopt.projection
+import slimopt.sharding
 from benchmarks.processes import free_port
 
 from .conftest import run_ranks
@@ -60,7 +63,7 @@ def _parameters_and_bases(
     """Every parameter whole (gathered from shards), and every right basis under ``key.basis``."""
     result = {}
     for key, value in model.named_parameters():
-        full = value.full_tensor() if slimopt.distributed.is_sharded(value) else value
+        full = value.full_tensor() if slimopt.sharding.is_sharded(value) else value
         result[key] = full.detach().clone()
         state = getattr(optimizer, "optim", optimizer).state.get(value, {})  # ZeRO: the local one
         if "basis_right" in state:
@@ -169,13 +172,13 @@ def _train_distributed(strategy: str, name: str, rank: int) -> dict[str, torch.T
     else:
         raise ValueError(strategy)
     gathers, computed = 0, [0]
-    compute = slimopt.optimizer.compute_basis
+    compute = slimopt.projection.compute_basis
 
     def counting(*args, **kwargs):
         computed[0] += 1
         return compute(*args, **kwargs)
 
-    slimopt.optimizer.compute_basis = counting
+    slimopt.projection.compute_basis = counting
     try:
         for step in range(STEPS):
             batch = _batch(step)[rank::WORLD]  # each process half of the global batch
@@ -185,7 +188,7 @@ def _train_distributed(strategy: str, name: str, rank: int) -> dict[str, torch.T
             gathers += counted[0]
             optimizer.zero_grad()
     finally:
-        slimopt.optimizer.compute_basis = compute
+        slimopt.projection.compute_basis = compute
     result = {"gathers_in_step": torch.tensor(gathers), "bases_computed": torch.tensor(computed[0])}
     result |= _parameters_and_bases(model, optimizer)
     if strategy == "zero1" and name == "galore_adamw8bit":
@@ -320,8 +323,8 @@ TOLERANCES = {
 def references() -> dict[str, dict[str, torch.Tensor]]:
     runs = {name: _single_process(name) for name in NAMES}
     with pytest.MonkeyPatch.context() as patch:
-        seed = slimopt.optimizer._step_seed
-        patch.setattr(slimopt.optimizer, "_step_seed", lambda state: seed(state) + 7919)
+        seed = slimopt.core.seeds.step_seed
+        patch.setattr(slimopt.core.seeds, "step_seed", lambda state: seed(state) + 7919)
         other_draws = _single_process("galore_adamw_ternary")
     spread = relative(other_draws, runs["galore_adamw_ternary"])
     for tolerances in TOLERANCES.values():
@@ -404,7 +407,7 @@ def _steps(model, optimizer, steps: range, world: int, rank: int) -> None:
 
 def _whole(model: torch.nn.Module) -> list[torch.Tensor]:
     return [
-        (p.full_tensor() if slimopt.distributed.is_sharded(p) else p).detach().clone()
+        (p.full_tensor() if slimopt.sharding.is_sharded(p) else p).detach().clone()
         for p in model.parameters()
     ]
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from slimopt import GaLoreAdamW, state_nbytes
 from slimopt.codecs import DEFAULT_BLOCK_SIZES, MIN_COMPRESSED_NUMEL, moment_codec
 from slimopt.codecs.maps import dynamic_map, linear_map_without_zero
-from slimopt.codecs.rows import SLICE_NUMEL, matrix_shape, row_slices
+from slimopt.codecs.slicing import SLICE_NUMEL, matrix_shape, row_slices
 from slimopt.codecs.ternary import MIN_SCALED_LENGTH
 
 FORMATS = ("fp32", "bf16", "int8", "int4", "ternary")

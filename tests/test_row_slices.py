@@ -10,6 +10,8 @@ import torch
 
 from slimopt import AdamW8bit, AdamWTernary, GaLoreAdamW, state_nbytes
 from slimopt.codecs import rows as row_storage
+from slimopt.codecs import slicing
+from slimopt.codecs.slicing import SLICE_NUMEL
 from slimopt.memory import LiveBytes
 
 from .test_adamw import gradient, relative_error
@@ -18,7 +20,7 @@ from .test_adamw import gradient, relative_error
 @pytest.fixture
 def small_slices(monkeypatch: pytest.MonkeyPatch) -> int:
     """Slices of 4096 elements, so that a 128×128 matrix is cut into four."""
-    monkeypatch.setattr(row_storage, "SLICE_NUMEL", 4096)
+    monkeypatch.setattr(slicing, "SLICE_NUMEL", 4096)
     row_storage.row_sliced_storage.cache_clear()
     yield 4096
     row_storage.row_sliced_storage.cache_clear()
@@ -54,7 +56,7 @@ def test_sliced_fp32_states_reproduce_torch_adamw(small_slices, dtype) -> None:
 def test_sliced_int8_equals_the_whole_matrix_when_blocks_align(small_slices, monkeypatch) -> None:
     sliced, optimizer = _train(AdamW8bit)
     sliced_bytes = state_nbytes(optimizer)
-    monkeypatch.setattr(row_storage, "SLICE_NUMEL", 1 << 30)
+    monkeypatch.setattr(slicing, "SLICE_NUMEL", 1 << 30)
     whole, optimizer = _train(AdamW8bit)
     assert torch.equal(sliced, whole)
     assert sliced_bytes == state_nbytes(optimizer)
@@ -66,7 +68,7 @@ def test_sliced_update_keeps_temporaries_to_a_slice(monkeypatch) -> None:
     quantization scratch); by slices of 2^18 elements they are that many slices instead."""
 
     def update_workspace(slice_numel: int) -> int:
-        monkeypatch.setattr(row_storage, "SLICE_NUMEL", slice_numel)
+        monkeypatch.setattr(slicing, "SLICE_NUMEL", slice_numel)
         row_storage.row_sliced_storage.cache_clear()
         param = torch.zeros(2048, 2048, requires_grad=True)
         optimizer = AdamW8bit([param], lr=1e-3)
@@ -130,7 +132,7 @@ def test_a_small_last_slice_keeps_the_matrix_storage_format(states) -> None:
     the whole matrix's size (bf16 8.00, int8 10.03, int4 9.06, ternary 8.33 bytes per parameter);
     it now joins the slice before it."""
     rows, cols = 2049, 2048
-    assert rows * cols > row_storage.SLICE_NUMEL
+    assert rows * cols > SLICE_NUMEL
     param = torch.zeros(rows, cols, requires_grad=True)
     optimizer = GaLoreAdamW([param], lr=1e-3, states=states)
     param.grad = gradient(0, (rows, cols))

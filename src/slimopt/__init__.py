@@ -11,7 +11,7 @@ backward; ``state_nbytes`` counts its state, ``decoded_state`` reads a parameter
 from slimopt.describe import describe
 from slimopt.layerwise import LayerwiseHandle, layerwise
 from slimopt.memory import state_nbytes
-from slimopt.optimizer import (
+from slimopt.optimizers import (
     TACO,
     AdamW4bit,
     AdamW8bit,

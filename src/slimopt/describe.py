@@ -8,11 +8,11 @@ from collections import Counter
 
 from torch import Tensor, nn
 
-from slimopt.codecs.rows import matrix_shape
-from slimopt.distributed import split_by_rows
+from slimopt.codecs.slicing import matrix_shape
 from slimopt.memory import storage_nbytes
-from slimopt.optimizer import GaLoreOptimizer
+from slimopt.optimizers import GaLoreOptimizer
 from slimopt.projection import sides
+from slimopt.sharding import split_by_rows
 
 
 def _shape(tensor: Tensor) -> str:

@@ -14,7 +14,6 @@ not at all.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,30 +33,26 @@ def decided_on_device(device: torch.device) -> bool:
     return device.type in DECIDED_ON_DEVICE
 
 
-def finite_flags(
-    entries: list[tuple[Tensor, Tensor]], group_of: Callable[[Tensor], Any]
-) -> list[Tensor | None]:
-    """For each (parameter, gradient: real, a complex one as its real pairs), a one-element
-    bool tensor on the gradient's device:
-    whether every element is finite, agreed on (all-reduced) by the processes of
-    ``group_of(parameter)`` when it is not None (the shards of one parameter). None: nothing
-    to decide (a meta, sparse or empty gradient that no other process shares)."""
-    flags: list[Tensor | None] = [None] * len(entries)
+def finite_flags(grads: list[Tensor], groups: list[Any]) -> list[Tensor | None]:
+    """For each gradient (real: a complex one as its real pairs), a one-element bool tensor on
+    its device: whether every element is finite, agreed on (all-reduced) by the processes of its
+    ``groups`` entry when that is not None (the shards of one parameter). None: nothing to
+    decide (a meta, sparse or empty gradient that no other process shares)."""
+    flags: list[Tensor | None] = [None] * len(grads)
     kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for index, (_, grad) in enumerate(entries):
+    for index, grad in enumerate(grads):
         if not grad.is_meta and not grad.is_sparse and grad.numel():
             kinds.setdefault((grad.device, grad.dtype), []).append(index)
     for indices in kinds.values():
-        vector = _finite([entries[i][1] for i in indices])
+        vector = _finite([grads[i] for i in indices])
         for position, index in enumerate(indices):
             flags[index] = vector[position]
     shared: dict[Any, list[int]] = {}
-    for index, (param, _) in enumerate(entries):
-        group = group_of(param)
+    for index, group in enumerate(groups):
         if group is not None:
             shared.setdefault(group, []).append(index)
     for group, indices in shared.items():
-        device = entries[indices[0]][0].device
+        device = grads[indices[0]].device
         votes = torch.stack([_flag_or_true(flags[i], device) for i in indices]).to(torch.int32)
         agreed = all_reduce(votes, group, torch.distributed.ReduceOp.MIN).bool()
         for position, index in enumerate(indices):
@@ -100,21 +95,22 @@ def read(flags: list[Tensor | None]) -> list[bool]:
 
 
 class Decisions:
-    """Flags of fused updates taken before the host knew them, and their parameters."""
+    """Flags of fused updates taken before the host knew them, and what each one updated (any
+    object the caller names an update by)."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[Tensor, Tensor]] = []
-        self._copies: list[tuple[list[Tensor], Tensor, Any]] = []
+        self._pending: list[tuple[Any, Tensor]] = []
+        self._copies: list[tuple[list[Any], Tensor, Any]] = []
 
-    def record(self, param: Tensor, flag: Tensor) -> None:
-        """Remember that ``param`` was updated under ``flag`` (masked where it is False)."""
-        self._pending.append((param, flag))
+    def record(self, update: Any, flag: Tensor) -> None:
+        """Remember that ``update`` was taken under ``flag`` (its writes masked where False)."""
+        self._pending.append((update, flag))
 
     def close_step(self) -> None:
         """Start reading this step's flags: an asynchronous copy to the host on CUDA."""
-        by_device: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
-        for param, flag in self._pending:
-            by_device.setdefault(flag.device, []).append((param, flag))
+        by_device: dict[torch.device, list[tuple[Any, Tensor]]] = {}
+        for update, flag in self._pending:
+            by_device.setdefault(flag.device, []).append((update, flag))
         self._pending = []
         for device, pairs in by_device.items():
             stacked = torch.stack([flag for _, flag in pairs])
@@ -123,17 +119,17 @@ class Decisions:
                 stacked = stacked.to("cpu", non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
-            self._copies.append(([param for param, _ in pairs], stacked, event))
+            self._copies.append(([update for update, _ in pairs], stacked, event))
 
-    def skipped(self) -> list[Tensor]:
-        """The parameters whose recorded flag was False, each once per skipped update; waits
+    def skipped(self) -> list[Any]:
+        """The updates whose recorded flag was False; waits
         only for the copies started by ``close_step`` (an earlier step's work)."""
         self.close_step()
         skipped = []
-        for params, stacked, event in self._copies:
+        for updates, stacked, event in self._copies:
             if event is not None:
                 event.synchronize()
-            skipped += [param for param, flag in zip(params, stacked.tolist(), strict=True) if not flag]
+            skipped += [update for update, flag in zip(updates, stacked.tolist(), strict=True) if not flag]
         self._copies = []
         return skipped
 

@@ -53,9 +53,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slimopt.distributed import local_view, split_by_rows
-from slimopt.optimizer import GaLoreOptimizer
+from slimopt.optimizers import GaLoreOptimizer
 from slimopt.projection import project
+from slimopt.sharding import local_view, split_by_rows
 
 # The gradient a projection refresh in layer-wise mode is computed from.
 REFRESH_FROM = ("step", "micro_batch")

@@ -21,13 +21,14 @@ to carry them over.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from slimopt.optimizer import GaLoreOptimizer
+# The optimizer these functions take: slimopt's shell (``slimopt.core.shell.GaLoreOptimizer``),
+# which calls them, so this module does not import it.
+GaLoreOptimizer = Any
 
 STORAGE_KEYS = ("states", "block_size", "basis_states")
 # Group keys of torch.optim.Adam/AdamW that slimopt has no use for (amsgrad, maximize and
@@ -281,6 +282,6 @@ def restore_storage(optimizer: GaLoreOptimizer, storage: list[dict[str, Any]]) -
             for key in [k for k, v in state.items() if isinstance(v, Tensor)]:
                 del state[key]
             if moments:
-                optimizer._store_moments(unit, group, moments)
+                optimizer.store_moments(unit, moments)
             if basis is not None:
-                optimizer._store_basis(unit, group, basis)
+                optimizer.store_basis(unit, basis)

@@ -15,8 +15,11 @@ from torch import Tensor
 from slimopt import kernels
 from slimopt.checks import number_error
 from slimopt.codecs import STATE_FORMATS
+from slimopt.codecs.slicing import matrix_shape
 from slimopt.projection import PROJ_METHODS, PROJ_TYPES
+from slimopt.projection import sides as projection_sides
 from slimopt.rules import UpdateRule
+from slimopt.sharding import placement_error, split_by_rows
 
 SUBSPACE_POLICIES = ("keep", "reset", "rotate")
 # How a projection basis is stored: entries of orthonormal vectors lose little to 8 bits.
@@ -152,3 +155,42 @@ def _projection_errors(group: dict[str, Any]) -> list[str]:
 
 def _weight_decay_errors(group: dict[str, Any]) -> list[str]:
     return number_error("weight_decay", group["weight_decay"])
+
+
+def sharding_errors(group: dict[str, Any], rule: UpdateRule, owner: str) -> list[str]:
+    """DTensors split by rows are updated shard by shard, which is exact for an elementwise
+    rule, and for a projection whose basis is on the unsplit side (right, r×n) found by the
+    subspace method from all-reduced sketches."""
+    errors = [error for p in group["params"] if (error := placement_error(p)) is not None]
+    split = [p for p in group["params"] if split_by_rows(p)]
+    if errors or not split:
+        return errors
+    if group["experts"]:
+        return [
+            f"experts=True: parameters {[tuple(p.shape) for p in split]} are split by rows "
+            "(FSDP2), so no process holds whole experts to project; shard them by experts "
+            "outside FSDP2, or leave them out of the experts group"
+        ]
+    if not rule.elementwise:
+        return [
+            f"{owner} needs whole-tensor statistics (RMS, factored means), but "
+            f"parameters {[tuple(p.shape) for p in split]} are split by rows; use an AdamW "
+            "optimizer under FSDP2"
+        ]
+    projected = [p for p in split if is_projected(p, group)]
+    if projected and group["proj_method"] != "subspace":
+        errors.append(
+            f"proj_method={group['proj_method']!r} needs whole gradients, but parameters "
+            f"{[tuple(p.shape) for p in projected]} are split by rows; use proj_method='subspace'"
+        )
+    left = [
+        tuple(p.shape)
+        for p in projected
+        if group["proj_type"] in PROJ_TYPES and projection_sides(matrix_shape(p.shape), group["proj_type"])[0]
+    ]
+    if left:
+        errors.append(
+            f"proj_type={group['proj_type']!r} puts the basis of {left} on the rows, which are split "
+            "across processes; use proj_type='right' (basis r×n, replicated) under FSDP2"
+        )
+    return errors

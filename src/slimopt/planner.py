@@ -18,7 +18,8 @@ The peak is the larger of the two.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,10 +28,10 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from slimopt.core.basis import is_basis_key
 from slimopt.distributed import STRATEGIES as PROCESS_STRATEGIES
 from slimopt.layerwise import check_refresh_from, layerwise
 from slimopt.memory import LiveBytes, storage_nbytes
-from slimopt.optimizer import BASIS_KEYS
 from slimopt.process_memory import parameter_bytes, per_process
 from slimopt.registry import OPTIMIZERS, build_optimizer, projected_weights, resolve_name
 
@@ -280,8 +281,8 @@ def _run(
         known = {
             "weights": weights,
             "gradients": [p.grad for p in params if p.grad is not None],
-            "optimizer_states": [v for key, v in states if key.split(".")[0] not in BASIS_KEYS],
-            "projection_bases": [v for key, v in states if key.split(".")[0] in BASIS_KEYS],
+            "optimizer_states": [v for key, v in states if not is_basis_key(key)],
+            "projection_bases": [v for key, v in states if is_basis_key(key)],
             "accumulation_buffers": list(handle.accumulation_buffers.values()) if handle else [],
         }
         terms = {term: storage_nbytes(tensors) for term, tensors in known.items()}
@@ -299,8 +300,8 @@ def _run(
     tracker = LiveBytes(on_peak)
     tracker.adopt(weights)
     workspace = {"refresh": 0, "update": 0}
-    _watch(optimizer, "_refresh", tracker, workspace, "refresh")
-    _watch(optimizer, "apply_update", tracker, workspace, "update")
+    for phase in ("refresh", "update"):
+        optimizer.watch(phase, _window(tracker, workspace, phase))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -384,20 +385,21 @@ def _progress_bar(enabled: bool, total: int, label: str) -> Any:
     return tqdm(total=total, desc=label, unit="phase", leave=False)
 
 
-def _watch(optimizer: Any, method: str, tracker: LiveBytes, record: dict[str, int], key: str) -> None:
-    """Record the largest temporary memory of any call of ``optimizer.<method>``."""
-    original: Callable[..., Any] = getattr(optimizer, method)
+def _window(tracker: LiveBytes, record: dict[str, int], key: str) -> Callable[[], Any]:
+    """A probe for ``GaLoreOptimizer.watch`` that records the largest temporary memory of any
+    call in ``record[key]``."""
 
-    def watched(*args: Any, **kwargs: Any) -> Any:
+    @contextmanager
+    def window() -> Iterator[None]:
         outer_window = tracker.window_peak
         entry = tracker.reset_window()
         try:
-            return original(*args, **kwargs)
+            yield
         finally:
             record[key] = max(record[key], tracker.window_peak - entry)
             tracker.window_peak = max(outer_window, tracker.window_peak)
 
-    setattr(optimizer, method, watched)
+    return window
 
 
 class _MetaRun(TorchFunctionMode):

@@ -26,8 +26,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from slimopt.core.basis import is_basis_key
 from slimopt.distributed import STRATEGIES
-from slimopt.optimizer import BASIS_KEYS
 
 # A decoder layer is one FSDP2 unit (``fully_shard`` per layer, then the model).
 LAYER = re.compile(r"(.*\.layers\.\d+)\.")
@@ -70,7 +70,7 @@ def parameter_bytes(model: nn.Module, optimizer: Any) -> list[ParameterBytes]:
             continue
         state = state_of.get(param, {})
         tensors = [(key, v) for key, v in state.items() if isinstance(v, Tensor)]
-        basis = sum(v.numel() * v.element_size() for key, v in tensors if key.split(".")[0] in BASIS_KEYS)
+        basis = sum(v.numel() * v.element_size() for key, v in tensors if is_basis_key(key))
         states = sum(v.numel() * v.element_size() for _, v in tensors) - basis
         weight = param.numel() * param.element_size()
         rows = param.shape[0] if param.dim() else 1

@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from slimopt.codecs.rows import row_slices
+from slimopt.codecs.slicing import row_slices
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
 PROJ_METHODS = ("subspace", "svd")
@@ -142,7 +142,7 @@ def canonicalize_signs(vectors: Tensor, dim: int) -> Tensor:
 
 
 class RowShards(Protocol):
-    """How a gradient is split by rows across processes (``slimopt.distributed.RowSharding``):
+    """How a gradient is split by rows across processes (``slimopt.sharding.RowSharding``):
     what the subspace method needs to find a right basis without gathering the gradient."""
 
     rows: int  # global rows

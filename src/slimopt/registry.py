@@ -15,9 +15,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from slimopt.codecs.rows import matrix_shape
-from slimopt.distributed import split_by_rows
-from slimopt.optimizer import (
+from slimopt.codecs.slicing import matrix_shape
+from slimopt.optimizers import (
     TACO,
     AdamW4bit,
     AdamWTernary,
@@ -27,6 +26,7 @@ from slimopt.optimizer import (
     GaLoreOptimizer,
 )
 from slimopt.options import PROJECTION_DEFAULTS
+from slimopt.sharding import split_by_rows
 
 # Projection and storage options, with the type a text value (a flag, optim_args) is read as.
 OPTION_TYPES: dict[str, type] = {

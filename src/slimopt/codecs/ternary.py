@@ -40,7 +40,7 @@ from torch import Tensor
 
 from slimopt.codecs.draws import stream_seed, uniform
 from slimopt.codecs.plain import FLOAT32_MAX
-from slimopt.codecs.rows import matrix_shape
+from slimopt.codecs.slicing import matrix_shape
 
 TRITS_PER_BYTE = 5
 EXPONENT_STEPS_PER_OCTAVE = 4

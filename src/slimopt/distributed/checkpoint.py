@@ -34,9 +34,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
-from slimopt.distributed import barrier, initialized, local_view, process_rank
+from slimopt.core.tensors import values as own_values
 from slimopt.files import move_into_place
-from slimopt.optimizer import GaLoreOptimizer, _values
+from slimopt.optimizers import GaLoreOptimizer
+from slimopt.sharding import barrier, initialized, local_view, process_rank
 
 MODEL, OPTIMIZER = "model/", "optimizer/"
 GROUPS = "optimizer/groups"
@@ -134,7 +135,7 @@ def _optimizer_items(model: nn.Module, optimizer: GaLoreOptimizer) -> dict[str, 
         items[f"{OPTIMIZER}{name}/scalars"] = _json_tensor(
             {key: value for key, value in state.items() if not isinstance(value, Tensor)}
         )
-        sharding = optimizer._sharding(param)
+        sharding = optimizer.sharding_of(param)
         shard = "" if sharding is None else _shard_suffix(param)
         for key, value in state.items():
             if isinstance(value, Tensor):
@@ -162,7 +163,7 @@ class _OptimizerLoad:
         for param, name in self.names.items():
             self.targets[f"{OPTIMIZER}{name}/scalars"] = _empty(saved[f"{OPTIMIZER}{name}/scalars"])
             count = self._saved_count(name)
-            own = _shard_suffix(param) if optimizer._sharding(param) is not None else ""
+            own = _shard_suffix(param) if optimizer.sharding_of(param) is not None else ""
             # The shard suffix of the keys to restore as they are: this process's own, or for a
             # whole parameter the one shard of a parameter one FSDP2 process saved ("0 of 1").
             wanted: str | None = own or _suffix(0, 1)
@@ -222,16 +223,12 @@ class _OptimizerLoad:
         group_of = {p: i for i, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
         for param, (moment_step, tensors) in deferred.items():
             if moment_step is not None:
-                position = group_of[param]
-                self._reshard(param, position, saved_storage[position], moment_step, tensors)
+                self._reshard(param, saved_storage[group_of[param]], moment_step, tensors)
 
-    def _reshard(
-        self, param: Tensor, group_index: int, storage: dict[str, Any], moment_step: int, tensors: dict
-    ) -> None:
+    def _reshard(self, param: Tensor, storage: dict[str, Any], moment_step: int, tensors: dict) -> None:
         """Decode the saved shards that overlap this process's rows, keep those rows, and encode
         them in this optimizer's format."""
         optimizer = self.optimizer
-        group = optimizer.param_groups[group_index]
         count = self.resharded[param]
         rows = param.shape[0]
         place, local = _own_rows(optimizer, param)
@@ -247,18 +244,14 @@ class _OptimizerLoad:
                 for key, value in tensors.items()
                 if not key.startswith("basis_") and (key.endswith(shard) if shard else SHARD not in key)
             }
-            values = torch.Size((saved_rows, *_values(param).shape[1:]))
-            moments = optimizer._decoded(
-                param,
-                {**group, **storage},
-                {**stored, "moment_step": moment_step},
-                values,
-                rows if count > 1 else None,
-            )
+            values = torch.Size((saved_rows, *own_values(param).shape[1:]))
+            saved_state = {**stored, "moment_step": moment_step}
+            shard = (values, rows if count > 1 else None)
+            moments = optimizer.decoded_saved(param, saved_state, shard, storage)
             for key, value in moments.items():
                 pieces.setdefault(key, []).append(value[start - first : stop - first])
         moments = {key: torch.cat(parts) for key, parts in pieces.items()}
-        optimizer._store_moments(param, group, moments)
+        optimizer.store_moments(param, moments)
         optimizer.state[param]["moment_step"] = moment_step
 
 
@@ -317,7 +310,7 @@ def _saved_rows(rows: int, shard: str) -> tuple[int, int]:
 
 def _own_rows(optimizer: GaLoreOptimizer, param: Tensor) -> tuple[int, int]:
     """First row and row count this process holds of ``param``."""
-    sharding = optimizer._sharding(param)
+    sharding = optimizer.sharding_of(param)
     return (0 if sharding is None else sharding.offset), local_view(param).shape[0]
 
 

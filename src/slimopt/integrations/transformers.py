@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from slimopt.layerwise import LayerwiseHandle, check_refresh_from, layerwise
-from slimopt.optimizer import GaLoreAdafactor, GaLoreOptimizer
+from slimopt.optimizers import GaLoreAdafactor, GaLoreOptimizer
 from slimopt.registry import (
     HF_NAMES,
     OPTIMIZERS,

@@ -62,8 +62,8 @@ def save_checkpoint(
     from safetensors.torch import save_model
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from slimopt.distributed import barrier, process_rank
     from slimopt.distributed import checkpoint as sharded_checkpoint
+    from slimopt.sharding import barrier, process_rank
 
     first = process_rank() == 0
     directory = Path(directory)
@@ -229,7 +229,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     from safetensors.torch import load_file
 
     from slimopt.distributed import checkpoint as sharded_checkpoint
-    from slimopt.distributed import from_first, is_sharded, process_rank
+    from slimopt.sharding import from_first, is_sharded, process_rank
 
     path = Path(path)
     problem = None

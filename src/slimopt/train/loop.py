@@ -26,10 +26,10 @@ import torch
 from torch import Tensor, nn
 
 from slimopt.describe import describe as describe_optimizer
-from slimopt.distributed import barrier, from_first, local_view
 from slimopt.files import write_atomically
 from slimopt.layerwise import layerwise
 from slimopt.memory import LiveBytes, state_nbytes, state_tensors
+from slimopt.sharding import barrier, from_first, local_view
 from slimopt.train import metrics
 from slimopt.train.checkpoint import checkpoint_to_resume, load_resumed, save_checkpoint
 from slimopt.train.config import TrainConfig, saved_config

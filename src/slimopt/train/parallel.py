@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from slimopt.collectives import all_reduce
-from slimopt.distributed import STRATEGIES, barrier
+from slimopt.distributed import STRATEGIES
+from slimopt.sharding import barrier
 
 
 @dataclass

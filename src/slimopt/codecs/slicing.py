@@ -1,0 +1,58 @@
+"""Shapes an update works in: a tensor's matrix view and the slices of rows a large matrix is
+updated and stored by (``slimopt.codecs.rows``), and the size under which moments stay fp32."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Matrices with more elements than this are updated (and stored) in slices of rows this big.
+SLICE_NUMEL = 1 << 22
+# Moments (and slices of them) with fewer elements than this are stored fp32 in every format
+# (``slimopt.codecs.moment_codec``): compressing them would save little and cost precision.
+MIN_COMPRESSED_NUMEL = 4096
+
+
+def matrix_shape(shape: torch.Size) -> tuple[int, int]:
+    """(rows, columns) of the 2-D view a tensor is updated, sliced and scaled in: ``shape[0] ×
+    rest``, or one row for a vector or a scalar."""
+    if len(shape) < 2:
+        return 1, shape.numel()
+    return shape[0], math.prod(shape[1:])
+
+
+def sliced(shape: torch.Size) -> bool:
+    """Whether a matrix of ``shape`` is updated and stored by slices of rows."""
+    return len(shape) >= 2 and shape.numel() > SLICE_NUMEL
+
+
+def row_slices(rows: int, cols: int) -> list[slice]:
+    """Consecutive row ranges of at most ``SLICE_NUMEL`` elements each (at least one row),
+    except that a last range under ``MIN_COMPRESSED_NUMEL`` elements joins the one before it:
+    alone it would be stored fp32 (as any small moment is) and cost the matrix its storage
+    format (a 2049×2048 matrix's bf16 moments became fp32, 8 bytes per parameter)."""
+    step = max(1, SLICE_NUMEL // max(cols, 1))
+    starts = list(range(0, rows, step))
+    if len(starts) > 1 and (rows - starts[-1]) * cols < MIN_COMPRESSED_NUMEL:
+        starts.pop()
+    return [
+        slice(start, rows if index == len(starts) - 1 else starts[index + 1])
+        for index, start in enumerate(starts)
+    ]
+
+
+def slices_to_update(rows: int, cols: int, *, meta: bool) -> list[tuple[int, slice]]:
+    """(index, rows) of the slices an update goes through, one after the other.
+
+    On the meta device (the memory planner's dry run) slices have no values, and a slice the
+    size of the two before it allocates and frees what the second of them did (a slice's
+    temporaries live on into the next one, not further), so it is left out: for a 7B model that
+    is six thousand slices, which made ``slimopt memory`` take half a minute."""
+    every = list(enumerate(row_slices(rows, cols)))
+    sizes = [part.stop - part.start for _, part in every]
+    return [
+        entry
+        for position, entry in enumerate(every)
+        if not (meta and position >= 2 and sizes[position] == sizes[position - 1] == sizes[position - 2])
+    ]

@@ -1,0 +1,54 @@
+"""A projected unit's basis as its state stores it: the left (m×r) and right (r×n) factors under
+``basis_left`` and ``basis_right``, in the group's ``basis_states`` format."""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any
+
+import torch
+
+from slimopt.codecs import moment_codec, state_key
+from slimopt.codecs.slicing import matrix_shape
+from slimopt.core.plan import Plan
+from slimopt.core.seeds import BASIS_STREAM, rounding_seed
+from slimopt.projection import Basis
+
+BASIS_KEYS = ("basis_left", "basis_right")
+
+
+def is_basis_key(key: str) -> bool:
+    """Whether a state key (``basis_left``, ``basis_right.codes``, …) holds part of a basis."""
+    return key.split(".")[0] in BASIS_KEYS
+
+
+def basis(plan: Plan, state: MutableMapping[str, Any]) -> Basis | None:
+    """The fp32 basis of a projected unit (decoded from its storage), or None."""
+    factors = []
+    for key, shape in zip(BASIS_KEYS, basis_shapes(plan), strict=True):
+        codec = moment_codec(plan.group["basis_states"], "linear", shape)
+        stored = {part: state.get(state_key(key, part)) for part in codec.parts}
+        present = all(value is not None for value in stored.values())
+        factors.append(codec.decode(stored, shape) if present else None)
+    return None if factors == [None, None] else Basis(*factors)
+
+
+def basis_shapes(plan: Plan) -> tuple[torch.Size, torch.Size]:
+    """The shapes of the left and right factors of the unit's basis."""
+    rows, cols = matrix_shape(plan.shape)
+    rank = min(plan.group["rank"], rows, cols)
+    return torch.Size((rows, rank)), torch.Size((rank, cols))
+
+
+def store_basis(plan: Plan, state: MutableMapping[str, Any], new: Basis) -> None:
+    """Store ``new`` in the group's ``basis_states`` format (bf16: rounded stochastically,
+    seeded by unit and step)."""
+    generator = None
+    if plan.group["basis_states"] == "bf16":
+        generator = torch.Generator(device="cpu" if plan.param.is_meta else plan.param.device)
+        generator.manual_seed(rounding_seed(state, BASIS_STREAM))
+    for key, factor, shape in zip(BASIS_KEYS, new, basis_shapes(plan), strict=True):
+        if factor is not None:
+            codec = moment_codec(plan.group["basis_states"], "linear", shape)
+            for part, stored in codec.encode(factor, generator).items():
+                state[state_key(key, part)] = stored

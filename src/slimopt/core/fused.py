@@ -1,0 +1,144 @@
+"""The fused path of one update (``slimopt.kernels``): moments and weights in one compiled step,
+or for a projected matrix the direction, projected back as the reference path does; and the
+small AdamW tensors of a step together in one call. Where auto mode's fused step does not
+compile it is given up for the rest of the process (``NotCompiled``, a warning)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slimopt import kernels
+from slimopt.codecs import MIN_COMPRESSED_NUMEL, state_key
+from slimopt.codecs.draws import stream_seed
+from slimopt.codecs.slicing import slices_to_update
+from slimopt.core.moments import stored_parts
+from slimopt.core.outcome import NotCompiled, Outcome
+from slimopt.core.record import Update, begin
+from slimopt.core.reference import reference_update
+from slimopt.core.tensors import as_matrix, matrix_of, values
+from slimopt.core.weights import update_weights_projected
+from slimopt.rules import AdamWRule
+
+
+def fused_update(update: Update) -> Outcome:
+    """The update through the fused step, after ``record.begin``, masked by ``update.keep``
+    when there is one. Raises ``NotCompiled`` (nothing written) when auto mode could not
+    compile it."""
+    plan, state, group = update.plan, update.state, update.plan.group
+    step = state["step"]
+    with matrix_of(update.unit) as weights:
+        moments = stored_moments(update, update.grad.device)
+        matrix = as_matrix(update.grad)
+        if update.basis is None:  # moments and weights in one fused step
+            fused_step(update, matrix, moments, weights)
+        else:
+            direction = fused_step(update, matrix, moments, None)
+            lr = plan.rule.step_size(group, weights, step)
+            rounding = update.generator if plan.rounds_weights else None
+            decay, basis, keep = group["weight_decay"], update.basis, update.keep
+            for _, rows in slices_to_update(*weights.shape, meta=False):
+                update_weights_projected(
+                    weights, direction, basis, rows, lr, group["scale"], decay, rounding, keep
+                )
+    return Outcome.TAKEN if update.keep is None else Outcome.MASKED
+
+
+def stored_moments(update: Update, device: torch.device) -> dict[str, kernels.Moment]:
+    """Each moment of the rule that the unit's state holds, in the rule's order, as the fused
+    step takes it: its stored parts, their ``Storage`` and its lookup tables (blocks only)."""
+    return {
+        key: fused_moment(codec, stored_parts(update.state, key, codec.parts), device)
+        for key, codec in update.plan.moment_codecs(update.layout).items()
+        if state_key(key, codec.parts[0]) in update.state
+    }
+
+
+def fused_moment(codec: Any, parts: dict[str, Tensor], device: torch.device) -> kernels.Moment:
+    """A moment as the fused step takes it: stored ``parts``, their ``Storage`` and the codec's
+    lookup tables (blocks only)."""
+    storage = kernels.storage_of(codec)
+    return parts, storage, codec.tables(device) if storage.kind == "blockwise" else ()
+
+
+def fused_step(
+    update: Update, grad: Tensor, moments: dict[str, kernels.Moment], weights: Tensor | None
+) -> Tensor | None:
+    """The rule's step through ``slimopt.kernels`` on the matrix ``grad``: ``moments`` (updated
+    in place), Adafactor's raw factored statistics and ``weights`` (a contiguous matrix, updated
+    in place), or, without weights, the direction returned. Stochastic roundings draw from the
+    update's generator in the reference path's order: the moments', then the weights'. Raises
+    ``NotCompiled`` when auto mode could not compile it (``fused=True`` raises the failure)."""
+    plan, state, device = update.plan, update.state, grad.device
+    draws = sum(storage.stochastic for _, storage, _ in moments.values())
+    draws += weights is not None and plan.rounds_weights
+    seeds = tuple(stream_seed(update.generator, device) for _ in range(draws))
+    factored = (state["exp_avg_sq_row"], state["exp_avg_sq_col"]) if "exp_avg_sq_row" in state else None
+    rule, group, age, step = plan.rule, plan.group, update.age, state["step"]
+    try:
+        return kernels.fused_step(
+            rule, group, grad.contiguous(), moments, factored, age, step, weights, seeds, update.keep
+        )
+    except kernels.compile_failures() as error:
+        if plan.group["fused"] is True:
+            raise
+        give_up_auto(error)
+        raise NotCompiled from error
+
+
+def together(update: Update) -> bool:
+    """Whether ``update`` joins the grouped fused step (``kernels.adamw_steps``): unprojected,
+    under ``MIN_COMPRESSED_NUMEL`` elements (so its moments are fp32 in every storage format),
+    AdamW on the fused path, weights rounded to nearest."""
+    plan, unit = update.plan, update.unit
+    if update.basis is not None or unit.numel() >= MIN_COMPRESSED_NUMEL or unit.is_complex():
+        return False
+    if not isinstance(plan.rule, AdamWRule) or not plan.fused:
+        return False
+    return not plan.rounds_weights and values(unit).is_contiguous()
+
+
+def update_together(batch: list[Update]) -> list[Outcome]:
+    """Every update of ``batch`` in one ``kernels.adamw_steps`` call. Where it does not compile
+    (on CUDA: the Triton kernel) auto mode gives up the fused step and updates the batch through
+    the reference path; ``fused=True`` raises."""
+    grads, moments, hypers, weights = [], [], [], []
+    for update in batch:
+        begin(update, own_dtype=True)
+        own = values(update.unit)
+        plan, step = update.plan, update.state["step"]
+        hypers.append(
+            kernels.adamw_hyperparameters(plan.rule, plan.group, own, step, update.age, update.grad.device)
+        )
+        stored = stored_moments(update, update.grad.device)
+        moments.append(tuple(parts for parts, _, _ in stored.values()))
+        grads.append(update.grad)
+        weights.append(own)
+    try:
+        kernels.adamw_steps(grads, moments, torch.stack(hypers), weights, [u.keep for u in batch])
+    except kernels.compile_failures() as error:
+        if any(u.plan.group["fused"] is True for u in batch):
+            raise
+        give_up_auto(error)
+        outcomes = []
+        for update in batch:
+            update.grad = update.grad.float()
+            outcomes.append(reference_update(update))
+        return outcomes
+    return [Outcome.TAKEN if u.keep is None else Outcome.MASKED for u in batch]
+
+
+def give_up_auto(error: Exception) -> None:
+    """Auto mode's answer to a fused step that did not compile: the reference path from now on
+    (it promised only the fastest exact path, and the reference path is one), with a warning."""
+    cause = getattr(error, "inner_exception", error)
+    reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    kernels.give_up_auto(reason)
+    warnings.warn(
+        f"slimopt: the fused step did not compile ({reason}); fused=None uses the reference path from now on",
+        RuntimeWarning,
+        stacklevel=6,
+    )

@@ -1,0 +1,95 @@
+"""A unit's stored moments: decoded to fp32 and encoded back by its plan's codecs (whole, or by
+slices of rows), written from values another format or another process count saved, and read
+as ``decoded_state`` gives them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, MutableMapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slimopt.codecs import state_key
+from slimopt.codecs.slicing import matrix_shape
+from slimopt.core.basis import is_basis_key
+from slimopt.core.plan import Plan
+from slimopt.core.seeds import LOAD_STREAM, rounding_generator
+from slimopt.projection import Basis, projected_shape
+
+State = MutableMapping[str, Any]
+
+
+def decode_all(plan: Plan, state: State, shape: torch.Size, layout: torch.Size) -> dict[str, Tensor]:
+    """The fp32 value of every stored moment of the rule; ``shape`` is the moments' (local)
+    shape, ``layout`` the shape the storage format is chosen by (``Plan.layout``)."""
+    moments = {}
+    for key, codec in plan.moment_codecs(layout).items():
+        stored = {part: state.get(state_key(key, part)) for part in codec.parts}
+        if all(value is not None for value in stored.values()):
+            moments[key] = codec.decode(stored, shape)
+    return moments
+
+
+def encode(
+    plan: Plan,
+    state: State,
+    moments: dict[str, Tensor],
+    generator: torch.Generator | None,
+    layout: torch.Size,
+) -> None:
+    """Store each of the rule's ``moments`` (by key) in the format ``layout`` gets, drawing
+    stochastic roundings from ``generator`` in the moments' order."""
+    codecs = plan.moment_codecs(layout)
+    for key, value in moments.items():
+        for part, stored in codecs[key].encode(value, generator).items():
+            state[state_key(key, part)] = stored
+
+
+def stored_parts(state: State, key: str, parts: Iterable[str]) -> dict[str, Tensor]:
+    """The stored tensors of moment ``key``, by part."""
+    return {part: state[state_key(key, part)] for part in parts}
+
+
+def store(plan: Plan, state: State, moments: dict[str, Tensor]) -> None:
+    """Encode ``moments`` (as ``decoded`` gives them) with the plan's storage format into a
+    state whose stored tensors have been removed."""
+    layouts = {key: plan.layout(value.shape) for key, value in moments.items()}
+    generator = rounding_generator(plan, state, next(iter(layouts.values())), LOAD_STREAM)
+    storages = plan.row_storages() if plan.by_row_slices else {}
+    for key, value in moments.items():
+        if key in storages:
+            for part, stored in storages[key].encode_all(value, generator).items():
+                state[state_key(key, part)] = stored
+        elif key in plan.rule.moment_kinds:
+            encode(plan, state, {key: value}, generator, layouts[key])
+        else:
+            state[key] = value
+
+
+def decoded(
+    plan: Plan, state: State, values: torch.Size, rows: int | None, basis: Basis | None
+) -> dict[str, Tensor]:
+    """The fp32 value of every moment in ``state``, stored by the plan's format for values of
+    shape ``values``: this process's, or a saved shard's (a checkpoint written by another
+    number of processes) of a parameter split by rows with ``rows`` rows in all (None: not
+    split); ``basis``: the unit's, for a projected one. Adafactor's factored statistics are
+    returned as stored."""
+    if "moment_step" not in state:
+        return {}
+    moment_parts = set()
+    shape = projected_shape(matrix_shape(values), basis) if plan.projected else values
+    if plan.stored_by_row_slices(values):
+        moments = {}
+        for key, storage in plan.row_storages(values).items():
+            moments[key] = storage.decode_all(stored_parts(state, key, storage.sizes)).view(shape)
+            moment_parts |= {state_key(key, part) for part in storage.sizes}
+    else:
+        layout = shape if rows is None else torch.Size((rows, *shape[1:]))
+        moments = decode_all(plan, state, shape, layout)
+        for key, codec in plan.moment_codecs(layout).items():
+            moment_parts |= {state_key(key, part) for part in codec.parts}
+    for key, value in state.items():  # the rule's own statistics (Adafactor's factored ones)
+        if isinstance(value, Tensor) and key not in moment_parts and not is_basis_key(key):
+            moments[key] = value
+    return moments

@@ -1,0 +1,180 @@
+"""What one unit of an update is, worked out once: the ``Plan`` of a parameter, or of one expert
+of a stacked parameter, kept until its layout changes (the group's layout options, new groups,
+a load, the fused step given up).
+
+A plan holds the facts every update reads: the rule, whether the unit is projected, how it is
+split across processes, the shape that chooses its storage, its moments' codecs or row slices,
+the update path and why, how the weights are rounded, and its place in the model (seeds,
+refresh staggering, warnings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slimopt import kernels
+from slimopt.codecs import Codec, moment_codec
+from slimopt.codecs.rows import RowSlicedStorage, row_sliced_storage
+from slimopt.codecs.slicing import matrix_shape, sliced
+from slimopt.core.tensors import values
+from slimopt.options import is_projected
+from slimopt.rules import UpdateRule
+from slimopt.sharding import RowSharding
+
+# The group options a plan depends on: changing one of them makes a new plan.
+LAYOUT_OPTIONS = (
+    "rule",
+    "rank",
+    "proj_type",
+    "experts",
+    "states",
+    "block_size",
+    "basis_states",
+    "fused",
+    "param_rounding",
+)
+# Experts' seeds: their parameter's ordinal plus a multiple of this (more than any model's
+# parameter count, and odd, so the low 32 bits of the seeds differ too).
+EXPERT_SEED_STRIDE = 100_003
+
+
+@dataclass(frozen=True)
+class Place:
+    """A parameter's place in the whole model: its ordinal, its ordinal among projected
+    matrices and their count. They seed its random draws and stagger its refreshes."""
+
+    ordinal: int
+    projected_ordinal: int
+    projected_count: int
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """What the engine needs to know about one unit; see the module docstring."""
+
+    param: Tensor  # the whole parameter (an expert's stacked parameter)
+    shape: torch.Size  # the unit's (global) shape
+    expert: int | None  # the expert's index, or None for a whole parameter
+    group: dict[str, Any]  # read at every update: hyperparameters may change (schedulers)
+    options: tuple[Any, ...]  # the group's LAYOUT_OPTIONS when planned
+    rule: UpdateRule
+    projected: bool
+    sharding: RowSharding | None  # how the parameter is split by rows, or None
+    values_shape: torch.Size  # this process's values (real pairs of a complex parameter)
+    by_row_slices: bool  # moments stored and updated a slice of rows at a time
+    fusable: bool  # whether updates take the fused step (unless auto mode gives it up)
+    rounds_weights: bool  # bf16 weights rounded stochastically
+    place: Place
+
+    @property
+    def fused(self) -> bool:
+        """Whether updates take the fused step now: auto mode gives it up for the rest of the
+        process when a fused step fails to compile (``kernels.give_up_auto``)."""
+        return self.fusable and (self.group["fused"] is True or kernels.auto_failure() is None)
+
+    def current(self, group: dict[str, Any]) -> bool:
+        """Whether this plan still holds for a unit of ``group``."""
+        return group is self.group and layout_options(group) == self.options
+
+    @property
+    def seed(self) -> int:
+        """The unit's own seed: each expert of a stacked parameter draws its own numbers."""
+        ordinal = self.place.ordinal
+        return ordinal if self.expert is None else ordinal + (self.expert + 1) * EXPERT_SEED_STRIDE
+
+    @property
+    def label(self) -> str:
+        """How warnings name the unit."""
+        which = f"parameter {self.place.ordinal}" + ("" if self.expert is None else f" expert {self.expert}")
+        return f"{which} {tuple(self.shape)}"
+
+    def layout(self, shape: torch.Size) -> torch.Size:
+        """The shape that chooses the storage format of a moment of local ``shape``: the global
+        one for a parameter split by rows, so every process stores it alike."""
+        return shape if self.sharding is None else torch.Size((self.sharding.rows, *shape[1:]))
+
+    def moment_codecs(self, layout: torch.Size) -> dict[str, Codec]:
+        """The codec of each moment of the rule, by key, for storage chosen by ``layout``."""
+        group = self.group
+        return {
+            key: moment_codec(group["states"], kind, layout, group["block_size"])
+            for key, kind in self.rule.moment_kinds.items()
+        }
+
+    def row_storages(self, shape: torch.Size | None = None) -> dict[str, RowSlicedStorage]:
+        """The slice-by-slice layout of each moment of a unit updated by slices of rows
+        (``shape``: the values' shape, if not this process's: a saved shard's)."""
+        rows, cols = matrix_shape(self.values_shape if shape is None else shape)
+        group = self.group
+        return {
+            key: row_sliced_storage(group["states"], kind, rows, cols, group["block_size"])
+            for key, kind in self.rule.moment_kinds.items()
+        }
+
+    def stored_by_row_slices(self, shape: torch.Size) -> bool:
+        """Whether moments of values of ``shape`` (a saved shard's) are stored by row slices."""
+        return not self.projected and self.rule.elementwise and sliced(shape)
+
+    def draws(self, layout: torch.Size) -> bool:
+        """Whether an update draws random numbers: stochastically rounded weights or states."""
+        kinds = set(self.rule.moment_kinds.values())
+        codecs = [moment_codec(self.group["states"], kind, layout) for kind in kinds]
+        return self.rounds_weights or any(codec.stochastic for codec in codecs)
+
+
+def layout_options(group: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(group.get(key) for key in LAYOUT_OPTIONS)
+
+
+def make_plan(
+    unit: Tensor,
+    param: Tensor,
+    expert: int | None,
+    group: dict[str, Any],
+    context: PlanContext,
+) -> Plan:
+    """The plan of ``unit`` (``param`` itself, or its expert ``expert``) in ``group``."""
+    rule = context.rule_of(group)
+    shape = values(unit).shape
+    projected = is_projected(unit, group)
+    return Plan(
+        param=param,
+        shape=unit.shape,
+        expert=expert,
+        group=group,
+        options=layout_options(group),
+        rule=rule,
+        projected=projected,
+        sharding=None if expert is not None else context.sharding(param),
+        values_shape=shape,
+        by_row_slices=not projected and rule.elementwise and sliced(shape),
+        fusable=fusable(unit, group, rule),
+        rounds_weights=group["param_rounding"] == "stochastic" and unit.dtype == torch.bfloat16,
+        place=context.place(param),
+    )
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What a plan is worked out from besides the unit and its group: the optimizer's rule
+    lookup, the (cached) row sharding of a parameter and its place in the model."""
+
+    rule_of: Callable[[dict[str, Any]], UpdateRule]
+    sharding: Callable[[Tensor], RowSharding | None]
+    place: Callable[[Tensor], Place]
+
+
+def fusable(param: Tensor, group: dict[str, Any], rule: UpdateRule) -> bool:
+    """Whether ``param`` takes the fused step (``slimopt.kernels``): always with
+    ``fused=True``, never with False, and with None (auto) on CUDA where one exists."""
+    choice = group["fused"]
+    if choice is False or param.is_meta:
+        return False
+    if choice is True:
+        return True
+    return kernels.auto_available(param.device.type) and kernels.unsupported(rule, group, param) is None

@@ -1,0 +1,56 @@
+"""The record of one update of one unit: what this step brings beside the unit's ``Plan`` (its
+gradient in the basis' space, the basis, the device flag masking a fused step), and what
+``begin`` adds (the fp32 gradient, the storage layout, the rounding generator, the moments' age).
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slimopt.core.moments import encode
+from slimopt.core.plan import Plan
+from slimopt.core.seeds import rounding_generator
+from slimopt.core.units import advance
+from slimopt.projection import Basis
+
+
+@dataclass(eq=False)
+class Update:
+    """One update of one unit; see the module docstring."""
+
+    plan: Plan
+    unit: Tensor  # the parameter, or an expert's view of it
+    state: MutableMapping[str, Any]
+    grad: Tensor  # in the basis' space (the unit's own without a basis)
+    basis: Basis | None
+    # Whether the gradient is finite: a host bool, or a flag on the device (see ``decisions``).
+    verdict: bool | Tensor = True
+    keep: Tensor | None = None  # the device flag the fused step masks its writes by
+    layout: torch.Size = field(default_factory=torch.Size)
+    generator: torch.Generator | None = None
+    age: int = 0
+
+
+def begin(update: Update, *, own_dtype: bool = False) -> None:
+    """An update's start: the fp32 gradient (in its own dtype with ``own_dtype``: for a step
+    that reads bf16 itself), contiguous so that moments created like it and the direction have a
+    2-D view; the moments' layout; the rounding generator; the moments' age, counted (the
+    moments created on the first update)."""
+    plan, state = update.plan, update.state
+    grad = (update.grad if own_dtype else update.grad.float()).contiguous()
+    layout = plan.layout(grad.shape)
+    generator = rounding_generator(plan, state, layout)
+    if "moment_step" not in state:
+        initial = plan.rule.init_state(grad.float(), plan.group, projected=update.basis is not None)
+        for key, value in initial.items():
+            if key in plan.rule.moment_kinds:
+                encode(plan, state, {key: value}, generator, layout)
+            else:
+                state[key] = value
+        state["moment_step"] = 0
+    update.grad, update.layout, update.generator, update.age = grad, layout, generator, advance(state)

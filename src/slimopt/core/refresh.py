@@ -1,0 +1,105 @@
+"""A projected unit's basis refresh: when it is due (every ``update_proj_gap`` steps, staggered),
+how the new basis is found (``slimopt.projection.compute_basis``, by one process under
+``spread_refreshes``), when the old one is kept instead, and what happens to the moments stored
+in the old basis (``on_subspace_change``)."""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slimopt import projection
+from slimopt.codecs.slicing import matrix_shape
+from slimopt.core import seeds
+from slimopt.core.basis import basis, is_basis_key, store_basis
+from slimopt.core.moments import decode_all, encode
+from slimopt.core.plan import Plan
+from slimopt.core.seeds import SUBSPACE_CHANGE_STREAM, rounding_generator
+from slimopt.core.units import warn
+from slimopt.finite import all_finite
+from slimopt.projection import Basis, projected_shape
+from slimopt.sharding import compute_on_owner
+
+State = MutableMapping[str, Any]
+
+
+def refresh_due(state: State, group: dict[str, Any]) -> bool:
+    """Whether the unit's basis is refreshed at this step: it has none yet, or its staggered
+    gap has come round."""
+    if not any(is_basis_key(key) for key in state):
+        return True
+    return (state["step"] - state["refresh_offset"]) % group["update_proj_gap"] == 0
+
+
+def agreed(plan: Plan, flag: bool) -> bool:
+    """``flag``, agreed on by every process holding a shard of the unit (all of them true)."""
+    return flag if plan.sharding is None else plan.sharding.all_agree(flag)
+
+
+def refresh(plan: Plan, state: State, grad: Tensor, refresh_group: Any) -> None:
+    """Replace the basis of the unit from its fp32 matrix gradient ``grad``; when the gradient
+    is non-finite or all zero, or the decomposition fails, keep the old one and warn.
+    ``refresh_group``: the processes sharing refreshes (``spread_refreshes``), or None."""
+    old = basis(plan, state)
+    if not agreed(plan, all_finite(grad)):
+        warn(plan, state, "non-finite gradient at a projection refresh; keeping the old basis")
+        return
+    if not grad.is_meta and agreed(plan, not bool(grad.any())):
+        # Its singular vectors would be arbitrary: a random basis, and moments rotated away.
+        # Without an old basis the update is skipped, and says so.
+        if old is not None:
+            warn(plan, state, "all-zero gradient at a projection refresh; keeping the old basis")
+        return
+    try:
+        new = _compute(plan, state, grad, old, refresh_group)
+    except RuntimeError as error:
+        warn(plan, state, f"projection refresh failed ({error}); keeping the old basis")
+        return
+    if not all(all_finite(b) for b in new if b is not None):
+        warn(plan, state, "projection refresh produced non-finite values; keeping the old basis")
+        return
+    if old is not None and "moment_step" in state:
+        carry_moments(plan, state, projected_shape(grad.shape, old), old, new)
+    store_basis(plan, state, new)
+
+
+def _compute(plan: Plan, state: State, grad: Tensor, old: Basis | None, refresh_group: Any) -> Basis:
+    group = plan.group
+    generator = None
+    if group["proj_method"] == "subspace":
+        # Seeded by unit and step, so a resumed run draws the same random directions.
+        generator = torch.Generator()
+        generator.manual_seed(seeds.step_seed(state))
+    sides = projection.sides(matrix_shape(plan.shape), group["proj_type"])
+
+    def compute() -> Basis:
+        method = group["proj_method"]
+        return projection.compute_basis(grad, group["rank"], sides, method, old, generator, plan.sharding)
+
+    if refresh_group is not None and plan.sharding is None:
+        owner = plan.place.projected_ordinal
+        return Basis(*compute_on_owner(compute, owner, sides, grad, group["rank"], refresh_group))
+    return compute()
+
+
+def carry_moments(plan: Plan, state: State, shape: torch.Size, old: Basis, new: Basis) -> None:
+    """Apply the group's ``on_subspace_change`` policy to the moments stored in ``old``'s basis
+    (``shape``: the moments' local shape)."""
+    policy = plan.group["on_subspace_change"]
+    if policy == "keep":
+        return
+    layout = plan.layout(shape)
+    generator = rounding_generator(plan, state, layout, SUBSPACE_CHANGE_STREAM)
+    moments = decode_all(plan, state, shape, layout)
+    for key, value in moments.items():
+        if policy == "rotate":
+            squared = plan.rule.moment_kinds[key] == "square"
+            moments[key] = projection.rotate(value, old, new, squared=squared)
+        else:
+            moments[key] = torch.zeros_like(value)
+    encode(plan, state, moments, generator, layout)
+    if policy == "reset":
+        state["moment_step"] = 0

@@ -1,0 +1,66 @@
+"""An elementwise rule on a large unprojected matrix, one slice of rows at a time, so no
+full-size fp32 temporary exists; its moments are stored by slices (``slimopt.codecs.rows``)."""
+
+from __future__ import annotations
+
+from slimopt.codecs import state_key
+from slimopt.codecs.slicing import slices_to_update
+from slimopt.core.fused import fused_moment, fused_step
+from slimopt.core.moments import stored_parts
+from slimopt.core.outcome import NotCompiled, Outcome
+from slimopt.core.record import Update
+from slimopt.core.seeds import rounding_generator
+from slimopt.core.tensors import as_matrix, matrix_of
+from slimopt.core.units import advance
+from slimopt.core.weights import update_weights
+
+
+def update_by_row_slices(update: Update) -> Outcome:
+    """The update a slice of rows at a time, each slice through the fused step or the reference
+    path (``update.keep``: as for ``fused.fused_update``; read on the host when a fused step
+    does not compile midway, the earlier slices having been masked by it)."""
+    plan, state, group = update.plan, update.state, update.plan.group
+    storages = plan.row_storages()
+    first = "moment_step" not in state
+    if first:
+        for key, storage in storages.items():
+            for part, tensor in storage.allocate(plan.param.device, plan.values_shape).items():
+                state[state_key(key, part)] = tensor
+        state["moment_step"] = 0
+    stored = {key: stored_parts(state, key, storage.sizes) for key, storage in storages.items()}
+    with matrix_of(update.unit) as weights:
+        grad = as_matrix(update.grad)
+        update.layout = plan.layout(grad.shape)
+        update.generator = rounding_generator(plan, state, update.layout)
+        update.age = advance(state)
+        lr = plan.rule.step_size(group, weights, state["step"])
+        rounding = update.generator if plan.rounds_weights else None
+        fused = not first and plan.fused
+        for index, rows in slices_to_update(*weights.shape, meta=weights.is_meta):
+            slice_grad = grad[rows].float()
+            if fused:
+                moments = {
+                    key: fused_moment(
+                        storage.codecs[index][0], storage.parts(stored[key], index), grad.device
+                    )
+                    for key, storage in storages.items()
+                }
+                try:
+                    fused_step(update, slice_grad, moments, weights[rows])
+                    continue
+                except NotCompiled:
+                    fused = False
+            if update.keep is not None:
+                # The fused step did not compile: decide on the host (earlier slices were masked).
+                if not bool(update.keep):
+                    return Outcome.SKIPPED
+                update.keep = None
+            if first:
+                moments = plan.rule.init_state(slice_grad, group, projected=False)
+            else:
+                moments = {key: storage.decode(stored[key], index) for key, storage in storages.items()}
+            direction = plan.rule.direction(slice_grad, moments, update.age, group)
+            for key, storage in storages.items():
+                storage.encode(stored[key], index, moments[key], update.generator)
+            update_weights(weights[rows], direction, lr, 1.0, group["weight_decay"], rounding)
+    return Outcome.TAKEN if update.keep is None else Outcome.MASKED

@@ -1,0 +1,48 @@
+"""Seeds of a unit's random draws: stochastic rounding of states and weights, and a refresh's
+random sketch, derived from the unit's seed and step so a resumed run draws what an
+uninterrupted one would."""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any
+
+import torch
+
+from slimopt.core.plan import Plan
+
+# Random streams of stochastic rounding within one step of one unit.
+UPDATE_STREAM, SUBSPACE_CHANGE_STREAM, LOAD_STREAM, BASIS_STREAM = 0, 1, 2, 3
+STREAM_STRIDE = 0x9E3779B9  # ⌊2³²/φ⌋, odd
+
+
+def rounding_seed(state: MutableMapping[str, Any], stream: int) -> int:
+    """The seed of a stream of rounding draws of this unit and step.
+
+    Update seeds are odd (the plain step seed belongs to the projection refresh's sketch). The
+    CPU generator (mt19937) keeps only the low 32 bits of a seed, so streams differ there: an odd
+    multiple of ⌊2³²/φ⌋ makes a subspace change's seeds even, never an update's."""
+    return step_seed(state) * 2 + 1 + stream * STREAM_STRIDE
+
+
+def step_seed(state: MutableMapping[str, Any]) -> int:
+    """A seed unique to this unit and step."""
+    return state["seed"] * 1_000_003 + state["step"]
+
+
+def rounding_generator(
+    plan: Plan, state: MutableMapping[str, Any], layout: torch.Size, stream: int = UPDATE_STREAM
+) -> torch.Generator | None:
+    """A generator for stochastic rounding of the states (and of the weights, when they are bf16
+    rounded stochastically) stored by ``layout``, seeded by unit, step and ``stream``; None when
+    nothing draws.
+
+    Roundings of one step that follow each other (moments carried to a new basis, then
+    updated) must draw from different streams: the same uniform numbers twice would make
+    the pair biased."""
+    if not plan.draws(layout):
+        return None
+    device = plan.param.device
+    generator = torch.Generator(device="cpu" if device.type == "meta" else device)
+    generator.manual_seed(rounding_seed(state, stream))
+    return generator

@@ -1,0 +1,119 @@
+"""Units of an update and their counters: one view per expert of a stacked parameter and its
+part of the parameter's state (``ExpertState``), each parameter's place in the model, the
+counters a unit's state starts with, and the warnings that name a unit."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+from torch import Tensor
+
+from slimopt.core.plan import Place, Plan
+from slimopt.options import is_projected
+
+# The attribute a parameter carries its place in the whole model under (see ``places``).
+IDENTITY = "_slimopt_identity"
+# The attribute an expert's view carries (its parameter, its index) under.
+EXPERT = "_slimopt_expert"
+
+
+def units(tensor: Tensor, group: dict[str, Any]) -> list[Tensor]:
+    """What an update of ``tensor`` (a parameter of ``group``, or its gradient) works on: the
+    tensor itself, or in a group with ``experts`` one view per expert (along the first
+    dimension), each updated as a 2-D parameter with its own state."""
+    if not group["experts"]:
+        return [tensor]
+    views = []
+    for index in range(tensor.shape[0]):
+        view = tensor.detach()[index]
+        setattr(view, EXPERT, (tensor, index))
+        views.append(view)
+    return views
+
+
+def expert_of(unit: Tensor) -> tuple[Tensor, int] | None:
+    """(parameter, expert index) of a view made by ``units``, else None."""
+    return getattr(unit, EXPERT, None)
+
+
+def state_of(state: dict[Tensor, Any], unit: Tensor) -> MutableMapping[str, Any]:
+    """The state of ``unit`` in an optimizer's ``state``: a parameter's own, or an expert's part
+    of its parameter's (the keys that start with ``expert{index}.``)."""
+    expert = expert_of(unit)
+    if expert is None:
+        return state[unit]
+    return ExpertState(state[expert[0]], expert[1])
+
+
+class ExpertState(MutableMapping[str, Any]):
+    """One expert's state, kept in its parameter's state under keys prefixed ``expert{index}.``:
+    a state dict holds one flat dict per parameter, as torch.optim's does."""
+
+    def __init__(self, state: dict[str, Any], index: int) -> None:
+        self._state = state
+        self._prefix = f"expert{index}."
+
+    def __getitem__(self, key: str) -> Any:
+        return self._state[self._prefix + key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._state[self._prefix + key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._state[self._prefix + key]
+
+    def __iter__(self) -> Iterator[str]:
+        return (key[len(self._prefix) :] for key in list(self._state) if key.startswith(self._prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def places(param_groups: list[dict[str, Any]]) -> dict[Tensor, Place]:
+    """Each parameter's ``Place``. A parameter that carries ``IDENTITY``
+    (``slimopt.distributed.zero_redundancy_optimizer`` stamps the whole model's on each) keeps
+    it, so a process that holds some of the parameters draws as one that holds all of them."""
+    projected = [p for g in param_groups for p in g["params"] if is_projected(p, g)]
+    projected_index = {p: i for i, p in enumerate(projected)}
+    every = [p for g in param_groups for p in g["params"]]
+    return {
+        p: getattr(p, IDENTITY, Place(i, projected_index.get(p, 0), max(len(projected), 1)))
+        for i, p in enumerate(every)
+    }
+
+
+def init_state(plan: Plan, state: MutableMapping[str, Any]) -> None:
+    """The counters a unit's state starts with: its step, skips, seed and refresh offset."""
+    state["step"] = 0
+    state["nonfinite_skips"] = 0
+    state["seed"] = plan.seed
+    if plan.projected:
+        place, gap = plan.place, plan.group["update_proj_gap"]
+        offset = (place.projected_ordinal * gap) // place.projected_count
+        state["refresh_offset"] = offset if plan.group["stagger"] else 0
+
+
+def advance(state: MutableMapping[str, Any]) -> int:
+    """Count one more step of ``state``; return the age of its moments."""
+    state["step"] += 1
+    state["moment_step"] += 1
+    return state["moment_step"]
+
+
+def unstep(plan: Plan, state: MutableMapping[str, Any]) -> None:
+    """Take back the count of a step that a non-finite gradient skipped, and report it."""
+    state["step"] -= 1
+    state["moment_step"] -= 1
+    skip(plan, state, "non-finite gradient")
+
+
+def skip(plan: Plan, state: MutableMapping[str, Any], reason: str) -> None:
+    """Count a skipped update of the unit and warn."""
+    state["nonfinite_skips"] += 1
+    warn(plan, state, f"{reason}; update skipped")
+
+
+def warn(plan: Plan, state: MutableMapping[str, Any], message: str) -> None:
+    warnings.warn(f"slimopt: {plan.label} at step {state['step']}: {message}", RuntimeWarning, stacklevel=4)

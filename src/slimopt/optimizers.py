@@ -1,0 +1,161 @@
+"""slimopt's optimizers: each one a choice of update rule and defaults over the
+``torch.optim`` shell (``slimopt.core.shell.GaLoreOptimizer``), constructors and docs only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from slimopt.core.shell import GaLoreOptimizer
+from slimopt.rules import AdafactorRule, AdamWRule, TACORule
+from slimopt.rules.taco import TACO_DEFAULTS
+
+__all__ = [
+    "TACO",
+    "AdamW4bit",
+    "AdamW8bit",
+    "AdamWTernary",
+    "GaLoreAdafactor",
+    "GaLoreAdamW",
+    "GaLoreAdamW8bit",
+    "GaLoreOptimizer",
+    "decoded_state",
+]
+
+
+class GaLoreAdamW(GaLoreOptimizer):
+    """AdamW whose param groups with a ``rank`` key run in a GaLore low-rank subspace.
+
+    Groups without ``rank`` reproduce ``torch.optim.AdamW``. Projection options (per group, or
+    as keyword defaults here): ``rank``, ``update_proj_gap`` (200), ``scale`` (0.25),
+    ``proj_type`` ({"std", "reverse_std", "left", "right", "full"}, "std"), ``proj_method``
+    ({"subspace", "svd"}, "subspace"), ``on_subspace_change`` ({"keep", "reset", "rotate"},
+    "rotate"), ``stagger`` (True: spread refreshes over the gap) and ``basis_states`` ({"fp32",
+    "bf16", "int8"}, "fp32": how the basis is stored). Storage options (per group too):
+    ``states`` ({"fp32", "bf16", "int8", "int4", "ternary"}) and ``block_size`` (a power of two;
+    None for the format's default).
+    """
+
+    rule = AdamWRule()
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = AdamWRule.defaults["betas"],
+        eps: float = AdamWRule.defaults["eps"],
+        weight_decay: float = 1e-2,
+        **options: Any,
+    ) -> None:
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults, options)
+
+
+class GaLoreAdafactor(GaLoreOptimizer):
+    """Adafactor (Hugging Face formulation) with GaLore projection for groups with ``rank``.
+
+    ``lr=None`` uses Adafactor's relative step size. Projected matrices keep a whole second
+    moment in the r×n space; unprojected matrices keep factored row/column statistics.
+    Projection and storage options as for :class:`GaLoreAdamW`.
+    """
+
+    rule = AdafactorRule()
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | None = None,
+        eps: tuple[float, float] = AdafactorRule.defaults["eps"],
+        clip_threshold: float = AdafactorRule.defaults["clip_threshold"],
+        decay_rate: float = AdafactorRule.defaults["decay_rate"],
+        beta1: float | None = AdafactorRule.defaults["beta1"],
+        weight_decay: float = 0.0,
+        scale_parameter: bool = AdafactorRule.defaults["scale_parameter"],
+        relative_step: bool | None = AdafactorRule.defaults["relative_step"],
+        warmup_init: bool = AdafactorRule.defaults["warmup_init"],
+        **options: Any,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "eps": eps,
+            "clip_threshold": clip_threshold,
+            "decay_rate": decay_rate,
+            "beta1": beta1,
+            "weight_decay": weight_decay,
+            "scale_parameter": scale_parameter,
+            "relative_step": lr is None if relative_step is None else relative_step,
+            "warmup_init": warmup_init,
+        }
+        super().__init__(params, defaults, options)
+
+
+class GaLoreAdamW8bit(GaLoreAdamW):
+    """GaLoreAdamW with block-wise 8-bit moments (``states="int8"``); without ``rank`` groups it
+    is a plain 8-bit AdamW, exported as ``AdamW8bit``."""
+
+    default_states = "int8"
+
+
+class AdamW4bit(GaLoreAdamW):
+    """AdamW with 4-bit moments (``states="int4"``); groups with ``rank`` are projected."""
+
+    default_states = "int4"
+
+
+class AdamWTernary(GaLoreAdamW):
+    """AdamW with a ternary first moment and a factored second moment (``states="ternary"``);
+    groups with ``rank`` are projected."""
+
+    default_states = "ternary"
+
+
+class TACO(GaLoreOptimizer):
+    """TACO: each matrix moves by one entry per column (its largest, ±m/n; ``slimopt.rules.taco``),
+    taken from a per-column sketch of the gradient history (``k`` slots, ``beta``). Its groups
+    take 2-D weights in ``nn.Linear``'s out × in layout (``transposed=True``: in × out);
+    embeddings, the output head and vectors go to fallback groups with ``rule="adamw"`` (and
+    AdamW's ``betas`` and ``eps``), as ``build_optimizer(model, "taco")`` arranges. Storage
+    options apply to the fallback groups' moments.
+    """
+
+    rule = TACORule()
+    rule_defaults: ClassVar[dict[str, tuple[str, ...]]] = {"adamw": ("betas", "eps")}
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 3e-3,  # the best rate most often in benchmarks/taco.py (1e-3 to 1e-2)
+        k: int = TACO_DEFAULTS["k"],
+        beta: float = TACO_DEFAULTS["beta"],
+        sketch_values: str = TACO_DEFAULTS["sketch_values"],
+        history: str = TACO_DEFAULTS["history"],
+        transposed: bool = TACORule.defaults["transposed"],
+        betas: tuple[float, float] = AdamWRule.defaults["betas"],
+        eps: float = AdamWRule.defaults["eps"],
+        weight_decay: float = 0.0,
+        **options: Any,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "k": k,
+            "beta": beta,
+            "sketch_values": sketch_values,
+            "history": history,
+            "transposed": transposed,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+        }
+        super().__init__(params, defaults, options)
+
+
+AdamW8bit = GaLoreAdamW8bit
+
+
+def decoded_state(optimizer: GaLoreOptimizer, param: Tensor) -> dict[str, Tensor]:
+    """The fp32 moments of ``param`` in ``optimizer``, whatever their storage format: in the
+    parameter's shape, or a projected matrix's rank-r space (see
+    ``GaLoreOptimizer.decoded_state``)."""
+    return optimizer.decoded_state(param)
