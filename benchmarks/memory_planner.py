@@ -18,6 +18,7 @@ import argparse
 import gc
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeVar
 
@@ -122,7 +123,8 @@ def timed_steps(setting: dict[str, Any], device: torch.device, steps: int) -> di
     options = {k: v for k, v in setting.items() if k in ("rank", "basis_states", "update_proj_gap")}
     model = build_model({"dtype": "bf16", "checkpointing": False, **setting}, device)
     optimizer = build_optimizer(model, setting["optimizer"], lr=5e-3, **options)
-    refresh_seconds = _time_calls(optimizer, "_refresh", device)
+    refresh_seconds: list[float] = []
+    optimizer.watch("refresh", _timer(refresh_seconds, device))
     handle = layerwise(optimizer)
     times, first_refresh = [], 0.0
     for _ in range(steps):
@@ -144,21 +146,18 @@ def timed_steps(setting: dict[str, Any], device: torch.device, steps: int) -> di
     )
 
 
-def _time_calls(optimizer: Any, method: str, device: torch.device) -> list[float]:
-    """Wrap ``optimizer.<method>`` so that each call appends its seconds to the returned list."""
-    seconds: list[float] = []
-    original = getattr(optimizer, method)
+def _timer(seconds: list[float], device: torch.device) -> Callable[[], Any]:
+    """A probe for ``GaLoreOptimizer.watch`` that appends each call's seconds to ``seconds``."""
 
-    def timed(*args: Any, **kwargs: Any) -> Any:
+    @contextmanager
+    def timed() -> Iterator[None]:
         _synchronize(device)
         began = time.perf_counter()
-        result = original(*args, **kwargs)
+        yield
         _synchronize(device)
         seconds.append(time.perf_counter() - began)
-        return result
 
-    setattr(optimizer, method, timed)
-    return seconds
+    return timed
 
 
 def _synchronize(device: torch.device) -> None:

@@ -17,6 +17,8 @@ import hashlib
 import json
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -157,6 +159,30 @@ def documented_paths() -> set[str]:
     for dotted in re.findall(r"(?<![\w.])slimopt(?:\.\w+)+", text):
         paths.add(dotted)
     return paths
+
+
+# Run in a fresh interpreter: which of ``paths`` (argv[1], JSON) resolve as attributes after
+# nothing but ``import slimopt`` (as a user writes ``slimopt.distributed.spread_refreshes``).
+ATTRIBUTE_CHECK = """
+import json, sys
+import slimopt
+found = []
+for path in json.loads(sys.argv[1]):
+    module, _, name = path.partition(":")
+    value = slimopt
+    parts = module.split(".")[1:] + ([name] if name else [])
+    for part in parts:
+        value = getattr(value, part, None)
+    if value is not None:
+        found.append(path)
+print(json.dumps(found))
+"""
+
+
+def attribute_paths(paths: list[str]) -> list[str]:
+    """Which of ``paths`` resolve by attributes after only ``import slimopt``."""
+    command = [sys.executable, "-c", ATTRIBUTE_CHECK, json.dumps(paths)]
+    return json.loads(subprocess.run(command, check=True, capture_output=True, text=True, timeout=120).stdout)
 
 
 def generate() -> None:

@@ -121,6 +121,13 @@ def test_every_import_path_the_readme_documented_still_resolves() -> None:
     assert [path for path in paths if not _resolves(path)] == []
 
 
+def test_what_import_slimopt_alone_made_reachable_still_is() -> None:
+    """``import slimopt`` then ``slimopt.distributed.spread_refreshes(...)``: paths that worked
+    as attributes (written at dabd4eb) keep working without importing their module."""
+    expected = MANIFESTED["attribute_paths"]
+    assert golden_runs.attribute_paths(expected) == expected
+
+
 def test_the_readme_documents_no_import_path_outside_the_snapshot() -> None:
     """A newly documented path joins the snapshot (regenerate), so it is kept from then on."""
     assert sorted(golden_runs.documented_paths() - set(MANIFESTED["import_paths"])) == []

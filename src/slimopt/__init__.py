@@ -5,9 +5,11 @@ param-group convention) with fp32, bf16, int8, int4 or ternary moments (``states
 ``TACO`` moves each matrix by one entry per column from a sketch of its gradient history;
 ``build_optimizer`` configures one for a model by name; ``layerwise`` makes it update inside
 backward; ``state_nbytes`` counts its state, ``decoded_state`` reads a parameter's moments and
-``describe`` says what it does with each parameter.
+``describe`` says what it does with each parameter. ``slimopt.distributed`` (DDP's shared
+refreshes, ZeRO-1) comes with ``import slimopt``.
 """
 
+from slimopt import distributed as distributed
 from slimopt.describe import describe
 from slimopt.layerwise import LayerwiseHandle, layerwise
 from slimopt.memory import state_nbytes

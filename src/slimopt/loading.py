@@ -21,6 +21,8 @@ to carry them over.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -285,3 +287,51 @@ def restore_storage(optimizer: GaLoreOptimizer, storage: list[dict[str, Any]]) -
                 optimizer.store_moments(unit, moments)
             if basis is not None:
                 optimizer.store_basis(unit, basis)
+
+
+def load_state_dict(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict``'s work (see its docstring): torch.optim's hooks run around
+    slimopt's own checks and conversions (a pre hook may rewrite the state dict before it is
+    checked, a post hook sees the loaded state); every state tensor keeps its saved dtype."""
+    state_dict = state_dict.copy()
+    for hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+        rewritten = hook(optimizer, state_dict)
+        state_dict = state_dict if rewritten is None else rewritten
+    state_dict = prepared(optimizer, state_dict)
+    pairs = zip(state_dict["param_groups"], optimizer.param_groups, strict=True)
+    for index, (saved, current) in enumerate(pairs):
+        errors = optimizer.errors_of({**saved, "params": current["params"]})
+        if errors:
+            raise ValueError(f"param group {index} of the state dict: " + "; ".join(errors))
+    check_state_keys(optimizer, state_dict)
+    storage = [{key: group[key] for key in STORAGE_KEYS} for group in optimizer.param_groups]
+    saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+    saved_state = state_dict["state"]
+    with _hooks_set_aside(optimizer):
+        torch.optim.Optimizer.load_state_dict(optimizer, state_dict)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for saved_id, param in zip(saved_ids, params, strict=True):
+        for key, value in saved_state.get(saved_id, {}).items():
+            if isinstance(value, Tensor):
+                optimizer.state[param][key] = value.to(device=param.device, copy=True)
+    optimizer.replan()
+    restore_storage(optimizer, storage)
+    for hook in optimizer._optimizer_load_state_dict_post_hooks.values():
+        hook(optimizer)
+
+
+@contextmanager
+def _hooks_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """``optimizer`` without its load_state_dict hooks for a while (``load_state_dict`` runs
+    them itself, around its own checks)."""
+    pre, post = (
+        optimizer._optimizer_load_state_dict_pre_hooks,
+        optimizer._optimizer_load_state_dict_post_hooks,
+    )
+    optimizer._optimizer_load_state_dict_pre_hooks = type(pre)()
+    optimizer._optimizer_load_state_dict_post_hooks = type(post)()
+    try:
+        yield
+    finally:
+        optimizer._optimizer_load_state_dict_pre_hooks = pre
+        optimizer._optimizer_load_state_dict_post_hooks = post

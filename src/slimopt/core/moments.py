@@ -93,3 +93,14 @@ def decoded(
         if isinstance(value, Tensor) and key not in moment_parts and not is_basis_key(key):
             moments[key] = value
     return moments
+
+
+def stacked(decoded: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """The experts' ``decoded`` moments stacked along a first dimension. An expert not updated
+    yet (no tokens routed to it, no basis yet) has the zero moments its first update would
+    start from."""
+    like = next((d for d in decoded if d), {})
+    return {
+        key: torch.stack([d[key] if d else torch.zeros_like(value) for d in decoded])
+        for key, value in like.items()
+    }

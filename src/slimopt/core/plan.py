@@ -178,3 +178,22 @@ def fusable(param: Tensor, group: dict[str, Any], rule: UpdateRule) -> bool:
     if choice is True:
         return True
     return kernels.auto_available(param.device.type) and kernels.unsupported(rule, group, param) is None
+
+
+def path_of(group: dict[str, Any], plans: list[Plan]) -> str:
+    """The path the updates of ``group`` (its non-empty parameters' ``plans``) take: "fused",
+    or "reference" with why (``GaLoreOptimizer.fused_path``)."""
+    if plans and all(plan.fused for plan in plans):
+        return "fused"
+    if group["fused"] is False:
+        return "reference (fused=False)"
+    reasons = {kernels.unsupported(plan.rule, plan.group, plan.param) for plan in plans} - {None}
+    if not reasons and kernels.auto_failure():
+        reasons = {f"the fused step did not compile: {kernels.auto_failure()}"}
+    devices = {plan.param.device.type for plan in plans}
+    why = (
+        "; ".join(sorted(reasons))
+        if reasons
+        else f"auto fuses on CUDA, parameters on {', '.join(sorted(devices))}"
+    )
+    return f"reference ({why})"

@@ -16,8 +16,8 @@ at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Iterable, MutableMapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -28,7 +28,7 @@ from slimopt import kernels, loading
 from slimopt.core import basis as stored_basis
 from slimopt.core import moments, units
 from slimopt.core.decisions import combined, decide
-from slimopt.core.plan import Place, Plan, PlanContext, make_plan
+from slimopt.core.plan import Place, Plan, PlanContext, make_plan, path_of
 from slimopt.core.record import Update
 from slimopt.core.refresh import agreed, refresh, refresh_due
 from slimopt.core.tensors import as_matrix, real, values
@@ -37,7 +37,7 @@ from slimopt.finite import Decisions, all_finite
 from slimopt.options import PROJECTION_DEFAULTS, STORAGE_DEFAULTS, group_errors, sharding_errors
 from slimopt.projection import Basis, project
 from slimopt.rules import RULES, UpdateRule
-from slimopt.sharding import RowSharding, local_view, row_sharding, split_by_rows
+from slimopt.sharding import RowSharding, local_view, row_sharding
 
 # What ``watch`` accepts: the phases whose calls a probe is wrapped around.
 PHASES = ("refresh", "update")
@@ -110,11 +110,11 @@ class GaLoreOptimizer(Optimizer):
         group = self.param_groups[index]
         if group.get("relative_step", False) is None:  # Adafactor's: relative exactly without an lr
             group["relative_step"] = group["lr"] is None
-        errors = self._group_errors(group)
+        errors = self.errors_of(group)
         if errors:
             self.param_groups.pop()
             raise ValueError(f"param group {index}: " + "; ".join(errors))
-        self._forget_plans()
+        self.replan()
         if self._layerwise is not None:  # layer-wise mode trains the new parameters too
             try:
                 self._layerwise.admit(group)
@@ -127,8 +127,8 @@ class GaLoreOptimizer(Optimizer):
         this optimizer's own when it names none."""
         return RULES[group["rule"]] if group.get("rule") is not None else self.rule
 
-    def _group_errors(self, group: dict[str, Any]) -> list[str]:
-        """One message per invalid setting of a complete param group."""
+    def errors_of(self, group: dict[str, Any]) -> list[str]:
+        """One message per invalid setting of a complete param group (none: it is valid)."""
         if group.get("rule") is not None and group["rule"] not in RULES:
             valid = ", ".join(RULES)
             return [f"unknown rule {group['rule']!r}; valid: {valid} (or None: the optimizer's own)"]
@@ -138,25 +138,10 @@ class GaLoreOptimizer(Optimizer):
     @property
     def fused_path(self) -> list[str]:
         """Per param group, the path its updates take: "fused" or "reference" (why, for auto)."""
-        paths = []
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.numel()]
-            if params and all(self.plan_of(p, group).fused for p in params):
-                paths.append("fused")
-            elif group["fused"] is False:
-                paths.append("reference (fused=False)")
-            else:
-                reasons = {kernels.unsupported(self.rule_of(group), group, p) for p in params} - {None}
-                if not reasons and kernels.auto_failure():
-                    reasons = {f"the fused step did not compile: {kernels.auto_failure()}"}
-                devices = {p.device.type for p in params}
-                why = (
-                    "; ".join(sorted(reasons))
-                    if reasons
-                    else f"auto fuses on CUDA, parameters on {', '.join(sorted(devices))}"
-                )
-                paths.append(f"reference ({why})")
-        return paths
+        return [
+            path_of(group, [self.plan_of(p, group) for p in group["params"] if p.numel()])
+            for group in self.param_groups
+        ]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -236,33 +221,7 @@ class GaLoreOptimizer(Optimizer):
         parameters to bf16 and break exact resumption.
         """
         self._settle_skips()  # counts of the steps before; the loaded ones replace them
-        # torch.optim's hooks, run here around slimopt's own checks and conversions: a pre hook
-        # may rewrite the state dict before it is checked, a post hook sees the loaded state.
-        state_dict = state_dict.copy()
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            rewritten = hook(self, state_dict)
-            state_dict = state_dict if rewritten is None else rewritten
-        state_dict = loading.prepared(self, state_dict)
-        pairs = zip(state_dict["param_groups"], self.param_groups, strict=True)
-        for index, (saved, current) in enumerate(pairs):
-            errors = self._group_errors({**saved, "params": current["params"]})
-            if errors:
-                raise ValueError(f"param group {index} of the state dict: " + "; ".join(errors))
-        loading.check_state_keys(self, state_dict)
-        storage = [{key: group[key] for key in loading.STORAGE_KEYS} for group in self.param_groups]
-        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        saved_state = state_dict["state"]
-        with _hooks_set_aside(self):
-            super().load_state_dict(state_dict)
-        params = [p for group in self.param_groups for p in group["params"]]
-        for saved_id, param in zip(saved_ids, params, strict=True):
-            for key, value in saved_state.get(saved_id, {}).items():
-                if isinstance(value, Tensor):
-                    self.state[param][key] = value.to(device=param.device, copy=True)
-        self._forget_plans()
-        loading.restore_storage(self, storage)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        loading.load_state_dict(self, state_dict)
 
     # The per-parameter API: what step() does for one parameter, in the pieces a caller that
     # updates parameters one at a time needs (slimopt.layerwise does so inside backward). Each
@@ -309,7 +268,8 @@ class GaLoreOptimizer(Optimizer):
     def _plan_context(self) -> PlanContext:
         return PlanContext(self.rule_of, self.sharding_of, lambda param: self.places()[param])
 
-    def _forget_plans(self) -> None:
+    def replan(self) -> None:
+        """Forget every plan and place: the groups or the state changed (``load_state_dict``)."""
         self._places = None
         self._plans = {}
 
@@ -379,7 +339,7 @@ class GaLoreOptimizer(Optimizer):
         """The basis of a projected ``param`` for this step, refreshed from ``grad`` first when
         its refresh is due (None: no basis could be computed yet)."""
         plan, state = self.plan_of(param, group), self.state_of(param)
-        self._started(plan, state)
+        units.start(plan, state, type(self).__name__)
         if refresh_due(state, group):
             with self._probe("refresh"):
                 refresh(plan, state, as_matrix(grad).float(), self._refresh_group)
@@ -406,20 +366,8 @@ class GaLoreOptimizer(Optimizer):
     def _update(self, unit: Tensor, group: dict[str, Any], grad: Tensor) -> Update:
         """The record of an update of ``unit`` by ``grad``, its state started."""
         plan, state = self.plan_of(unit, group), self.state_of(unit)
-        self._started(plan, state)
+        units.start(plan, state, type(self).__name__)
         return Update(plan, unit, state, grad, None)
-
-    def _started(self, plan: Plan, state: MutableMapping[str, Any]) -> None:
-        """Start the counters of a unit's first update."""
-        if state:
-            return
-        if split_by_rows(plan.param):
-            # Checked at construction too; here for parameters split afterwards (accelerate's
-            # FSDP2 puts the sharded parameters into an optimizer built before prepare()).
-            errors = sharding_errors({**plan.group, "params": [plan.param]}, plan.rule, type(self).__name__)
-            if errors:
-                raise ValueError("; ".join(errors))
-        units.init_state(plan, state)
 
     def _into_space(self, update: Update) -> bool:
         """Put ``update``'s gradient into the space the rule sees (``gradient_in_space``); False
@@ -450,14 +398,7 @@ class GaLoreOptimizer(Optimizer):
         if plan.expert is not None:
             return moments.decoded(plan, self.state_of(param), param.shape, None, self._basis_of(plan, param))
         if plan.group["experts"]:  # each expert's, stacked along the first dimension
-            decoded = [self.decoded_state(unit) for unit in self.units(param, plan.group)]
-            # An expert not updated yet (no tokens routed to it, no basis yet) has the zero
-            # moments its first update would start from.
-            like = next((d for d in decoded if d), {})
-            return {
-                key: torch.stack([d[key] if d else torch.zeros_like(value) for d in decoded])
-                for key, value in like.items()
-            }
+            return moments.stacked([self.decoded_state(unit) for unit in self.units(param, plan.group)])
         rows = None if plan.sharding is None else plan.sharding.rows
         state = self.state.get(param, {})
         return moments.decoded(plan, state, values(param).shape, rows, self._basis_of(plan, param))
@@ -496,20 +437,3 @@ class GaLoreOptimizer(Optimizer):
             if any(p is param for p in group["params"]):
                 return group
         raise KeyError(f"tensor {tuple(param.shape)} is not a parameter of this optimizer")
-
-
-@contextmanager
-def _hooks_set_aside(optimizer: Optimizer) -> Iterator[None]:
-    """``optimizer`` without its load_state_dict hooks for a while (``load_state_dict`` runs
-    them itself, around its own checks)."""
-    pre, post = (
-        optimizer._optimizer_load_state_dict_pre_hooks,
-        optimizer._optimizer_load_state_dict_post_hooks,
-    )
-    optimizer._optimizer_load_state_dict_pre_hooks = type(pre)()
-    optimizer._optimizer_load_state_dict_post_hooks = type(post)()
-    try:
-        yield
-    finally:
-        optimizer._optimizer_load_state_dict_pre_hooks = pre
-        optimizer._optimizer_load_state_dict_post_hooks = post

@@ -11,7 +11,8 @@ from typing import Any
 from torch import Tensor
 
 from slimopt.core.plan import Place, Plan
-from slimopt.options import is_projected
+from slimopt.options import is_projected, sharding_errors
+from slimopt.sharding import split_by_rows
 
 # The attribute a parameter carries its place in the whole model under (see ``places``).
 IDENTITY = "_slimopt_identity"
@@ -84,8 +85,18 @@ def places(param_groups: list[dict[str, Any]]) -> dict[Tensor, Place]:
     }
 
 
-def init_state(plan: Plan, state: MutableMapping[str, Any]) -> None:
-    """The counters a unit's state starts with: its step, skips, seed and refresh offset."""
+def start(plan: Plan, state: MutableMapping[str, Any], owner: str) -> None:
+    """Start the counters of a unit's first update (its state is empty; else nothing to do):
+    its step, skips, seed and refresh offset. Raises ``ValueError`` for a parameter split by
+    rows in a way ``owner`` (the optimizer's name) cannot update."""
+    if state:
+        return
+    if split_by_rows(plan.param):
+        # Checked at construction too; here for parameters split afterwards (accelerate's
+        # FSDP2 puts the sharded parameters into an optimizer built before prepare()).
+        errors = sharding_errors({**plan.group, "params": [plan.param]}, plan.rule, owner)
+        if errors:
+            raise ValueError("; ".join(errors))
     state["step"] = 0
     state["nonfinite_skips"] = 0
     state["seed"] = plan.seed

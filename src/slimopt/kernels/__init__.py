@@ -38,10 +38,11 @@ from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from slimopt.kernels import formats
-from slimopt.kernels.formats import Storage, storage_of
+from slimopt.kernels.formats import Moment, Storage, scalars, storage_of
 
 __all__ = [
     "FUSED_CHOICES",
+    "Moment",
     "Storage",
     "adafactor_step",
     "adamw_hyperparameters",
@@ -54,7 +55,6 @@ __all__ = [
     "storage_of",
     "unsupported",
 ]
-from slimopt.memory import untracked
 
 # What ``fused=`` accepts: None chooses the fused path where it exists and runs on CUDA.
 FUSED_CHOICES = (None, True, False)
@@ -152,11 +152,6 @@ def compiler_error(device_type: str) -> str | None:
     ):
         return "torch.compile needs a C++ compiler for the CPU (g++ or clang++), and none is on PATH"
     return None
-
-
-# One moment as the fused steps take it: its stored parts by name, their storage, its lookup
-# tables (empty but for blocks).
-Moment = tuple[dict[str, Tensor], Storage, tuple[Tensor, ...]]
 
 
 def fused_step(
@@ -339,15 +334,6 @@ def hyperparameters(
         -lr * scale,
     )
     return scalars(values, torch.device(device))
-
-
-@functools.lru_cache(maxsize=256)
-def scalars(values: tuple[float, ...], device: torch.device) -> Tensor:
-    """``values`` as an fp32 tensor on ``device``, each rounded once from double precision,
-    cached: shared by every parameter with the same scalars (read only), one host-to-device
-    copy per group and step, not one per parameter."""
-    with untracked():  # a cache shared by the steps, not memory of one
-        return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
 
 
 @functools.cache

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slimopt.kernels import Moment, formats, scalars
-from slimopt.kernels.formats import Storage
+from slimopt.kernels import formats
+from slimopt.kernels.formats import Moment, Storage, scalars
 from slimopt.rules.adafactor import rms, squared_gradient
 
 

@@ -9,6 +9,7 @@ step writes the codes the reference path would for the same values.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from slimopt.codecs.ternary import (
     grid,
     nonzero_scale,
 )
+from slimopt.memory import untracked
 
 # Formats whose scales follow rows and columns: their moments are decoded as matrices.
 MATRIX_KINDS = ("ternary", "factored")
@@ -264,3 +266,17 @@ def _pad(flat: Tensor, block_size: int) -> Tensor:
 
 def _unpad(blocks: Tensor, numel: int) -> Tensor:
     return blocks.reshape(-1)[:numel]
+
+
+# One moment as the fused steps take it: its stored parts by name, their storage, its lookup
+# tables (empty but for blocks).
+Moment = tuple[dict[str, Tensor], Storage, tuple[Tensor, ...]]
+
+
+@functools.lru_cache(maxsize=256)
+def scalars(values: tuple[float, ...], device: torch.device) -> Tensor:
+    """``values`` as an fp32 tensor on ``device``, each rounded once from double precision,
+    cached: shared by every parameter with the same scalars (read only), one host-to-device
+    copy per group and step, not one per parameter."""
+    with untracked():  # a cache shared by the steps, not memory of one
+        return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
