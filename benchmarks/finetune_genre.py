@@ -35,7 +35,8 @@ from torch import nn
 import slimopt
 from slimopt.train.config import TrainConfig
 from slimopt.train.corpus import shakespeare_plays
-from slimopt.train.loop import build_model, prepare_data, train
+from slimopt.train.data import prepare_data
+from slimopt.train.loop import build_model, train
 
 GENRES = {"comedies": 0, "tragedies": 1, "roman": 1, "histories": 2}
 LABELS = ("comedy", "tragedy", "history")

@@ -277,19 +277,7 @@ def _run(
 
     def categorize() -> dict[str, int]:
         """Bytes of each term among the storages live now."""
-        states = [(key, v) for s in optimizer.state.values() for key, v in s.items() if isinstance(v, Tensor)]
-        known = {
-            "weights": weights,
-            "gradients": [p.grad for p in params if p.grad is not None],
-            "optimizer_states": [v for key, v in states if not is_basis_key(key)],
-            "projection_bases": [v for key, v in states if is_basis_key(key)],
-            "accumulation_buffers": list(handle.accumulation_buffers.values()) if handle else [],
-        }
-        terms = {term: storage_nbytes(tensors) for term, tensors in known.items()}
-        by_tag = tracker.live_by_tag({id(t.untyped_storage()) for ts in known.values() for t in ts})
-        terms["activations"] = by_tag.pop("forward", 0)  # created in forward, not a known term
-        terms["workspace"] = sum(by_tag.values())
-        return terms
+        return _terms(tracker, _known_tensors(model, optimizer, handle))
 
     position = {"step": 1}
     snapshot: dict[str, Any] = {}
@@ -302,10 +290,7 @@ def _run(
     workspace = {"refresh": 0, "update": 0}
     for phase in ("refresh", "update"):
         optimizer.watch(phase, _window(tracker, workspace, phase))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        cuda_base = torch.cuda.memory_allocated(device) - storage_nbytes(weights)
+    cuda_base = _cuda_start(device, weights)
     step_peaks = []
     # One unit per micro-batch's forward and backward, and one per optimizer step.
     bar = _progress_bar(progress, STEPS * (k + 1), "measuring" if device.type != "meta" else "planning")
@@ -313,13 +298,7 @@ def _run(
         for step in range(1, STEPS + 1):
             position["step"] = step
             for _ in range(k):
-                tracker.tag = "forward"
-                batch = torch.randint(0, setting["vocab_size"], (setting["batch_size"], setting["seq_len"]))
-                batch = batch.to(device)
-                loss = model(input_ids=batch, labels=batch).loss / k
-                tracker.tag = "backward"
-                loss.backward()
-                del loss, batch
+                _forward_backward(model, setting, device, tracker)
                 bar.update(1)
             if handle is None:
                 tracker.tag = "optimizer"
@@ -328,29 +307,20 @@ def _run(
             bar.update(1)
             step_peaks.append(tracker.peak)
     bar.close()
-    cuda_peak = None
-    if device.type == "cuda":
-        cuda_peak = torch.cuda.max_memory_allocated(device) - cuda_base
+    cuda_peak = None if cuda_base is None else torch.cuda.max_memory_allocated(device) - cuda_base
     if handle is not None:
         handle.remove()
     between_steps = categorize()
-    phases = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step"}
-    if handle is not None:
-        phases["backward"] = "backward with layer-wise updates"
-    gpu = setting["gpu_memory_gib"]
     at_peak = {term: snapshot["terms"][term] for term in TERMS}
     processes = None
     if setting["distributed"] is not None:
         parameters = parameter_bytes(model, optimizer)
         processes = per_process(at_peak, parameters, setting["distributed"], setting["processes"])
-    ranks = [group["rank"] for group in optimizer.param_groups if "rank" in group]
-    if setting["rank"] is None and ranks:
-        setting = {**setting, "rank": ranks[0], "rank_defaulted": True}
     return MemoryPlan(
-        setting={**setting, **options},
+        setting={**_with_chosen_rank(setting, optimizer), **options},
         parameters=sum(p.numel() for p in params),
         peak_bytes=tracker.peak,
-        peak_at=f"step {snapshot['step']}, {phases[snapshot['phase']]}",
+        peak_at=f"step {snapshot['step']}, {_phase_name(snapshot['phase'], handle is not None)}",
         at_peak=at_peak,
         persistent={
             term: between_steps[term] for term in ("weights", "optimizer_states", "projection_bases")
@@ -361,9 +331,72 @@ def _run(
         measured=device.type != "meta",
         device=str(device),
         cuda_max_memory_allocated=cuda_peak,
-        gpu_memory_bytes=None if gpu is None else int(gpu * 2**30),
+        gpu_memory_bytes=None
+        if setting["gpu_memory_gib"] is None
+        else int(setting["gpu_memory_gib"] * 2**30),
         per_process=processes,
     )
+
+
+def _forward_backward(
+    model: nn.Module, setting: dict[str, Any], device: torch.device, tracker: LiveBytes
+) -> None:
+    """One micro-batch's forward and backward (its loss divided by the accumulation steps),
+    tagged for the tracker."""
+    tracker.tag = "forward"
+    batch = torch.randint(0, setting["vocab_size"], (setting["batch_size"], setting["seq_len"]))
+    batch = batch.to(device)
+    loss = model(input_ids=batch, labels=batch).loss / setting["accumulation_steps"]
+    tracker.tag = "backward"
+    loss.backward()
+
+
+def _known_tensors(model: nn.Module, optimizer: Any, handle: Any) -> dict[str, list[Tensor]]:
+    """The tensors of each known term: weights (parameters and buffers), gradients, states,
+    bases and layer-wise accumulation buffers."""
+    states = [(key, v) for s in optimizer.state.values() for key, v in s.items() if isinstance(v, Tensor)]
+    params = list(model.parameters())
+    return {
+        "weights": params + list(model.buffers()),
+        "gradients": [p.grad for p in params if p.grad is not None],
+        "optimizer_states": [v for key, v in states if not is_basis_key(key)],
+        "projection_bases": [v for key, v in states if is_basis_key(key)],
+        "accumulation_buffers": list(handle.accumulation_buffers.values()) if handle else [],
+    }
+
+
+def _terms(tracker: LiveBytes, known: dict[str, list[Tensor]]) -> dict[str, int]:
+    """Bytes of each known term, of activations (storages created in forward) and of the
+    workspace (every other live storage)."""
+    terms = {term: storage_nbytes(tensors) for term, tensors in known.items()}
+    by_tag = tracker.live_by_tag({id(t.untyped_storage()) for ts in known.values() for t in ts})
+    terms["activations"] = by_tag.pop("forward", 0)  # created in forward, not a known term
+    terms["workspace"] = sum(by_tag.values())
+    return terms
+
+
+def _cuda_start(device: torch.device, weights: list[Tensor]) -> int | None:
+    """On CUDA, the allocated bytes besides the weights, with the peak statistics reset."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device) - storage_nbytes(weights)
+
+
+def _phase_name(phase: str, layerwise: bool) -> str:
+    """How the plan names the phase of its peak."""
+    if phase == "backward" and layerwise:
+        return "backward with layer-wise updates"
+    return {"forward": "forward", "backward": "backward", "optimizer": "optimizer step"}[phase]
+
+
+def _with_chosen_rank(setting: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+    """``setting`` with the rank the optimizer chose when none was given (``rank_defaulted``)."""
+    ranks = [group["rank"] for group in optimizer.param_groups if "rank" in group]
+    if setting["rank"] is None and ranks:
+        return {**setting, "rank": ranks[0], "rank_defaulted": True}
+    return setting
 
 
 class _NoBar:

@@ -13,7 +13,8 @@ from typing import Any
 from slimopt.files import write_atomically
 from slimopt.train import metrics
 from slimopt.train.config import TrainConfig
-from slimopt.train.loop import Data, check_optimizer, prepare_data, train
+from slimopt.train.data import Data, prepare_data
+from slimopt.train.loop import check_optimizer, train
 from slimopt.train.rundir import check_out, claim
 
 # One style per optimizer, so that lines that overlap stay distinguishable.

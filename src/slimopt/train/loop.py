@@ -33,18 +33,12 @@ from slimopt.sharding import barrier, from_first, local_view
 from slimopt.train import metrics
 from slimopt.train.checkpoint import checkpoint_to_resume, load_resumed, save_checkpoint
 from slimopt.train.config import TrainConfig, saved_config
-from slimopt.train.corpus import load_corpus, split_documents
+from slimopt.train.data import Batches, Data, prepare_data
 from slimopt.train.models import build_llama, enable_checkpointing
 from slimopt.train.parallel import Parallel, start_run
 from slimopt.train.report import count, messenger, progress_bar
 from slimopt.train.rundir import RunLock, check_free, check_out, claim, run_directory
-from slimopt.train.tokenizer import (
-    TextTokenizer,
-    bpe_tokenizer,
-    default_cache_dir,
-    pack,
-    pretrained_tokenizer,
-)
+from slimopt.train.tokenizer import TextTokenizer
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
@@ -58,39 +52,6 @@ def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
-
-
-class Batches:
-    """Rows of packed tokens in a seeded permutation per epoch; ``position`` counts rows served,
-    so it alone restores the order on resume."""
-
-    def __init__(self, rows: Tensor, seed: int) -> None:
-        self.rows, self.seed, self.position = rows, seed, 0
-        self._epoch, self._order = -1, torch.empty(0, dtype=torch.long)
-
-    def take(self, count: int) -> Tensor:
-        picked = []
-        for _ in range(count):
-            epoch, index = divmod(self.position, len(self.rows))
-            if epoch != self._epoch:
-                generator = torch.Generator().manual_seed(self.seed + epoch)
-                self._epoch, self._order = epoch, torch.randperm(len(self.rows), generator=generator)
-            picked.append(self.rows[self._order[index]])
-            self.position += 1
-        return torch.stack(picked)
-
-
-def prepare_data(config: TrainConfig) -> tuple[TextTokenizer, Tensor, Tensor]:
-    """Tokenizer, training rows and validation rows of the configured corpus."""
-    documents = load_corpus(config.data, max_documents=config.max_documents)
-    train_texts, validation_texts = split_documents(documents, config.validation_fraction)
-    if config.tokenizer:
-        tokenizer = pretrained_tokenizer(config.tokenizer)
-    else:
-        tokenizer = bpe_tokenizer(train_texts, config.vocab_size, default_cache_dir())
-    train_rows = pack(tokenizer.encode(train_texts), config.seq_len, tokenizer.eos_id)
-    validation_rows = pack(tokenizer.encode(validation_texts), config.seq_len, tokenizer.eos_id)
-    return tokenizer, train_rows, validation_rows
 
 
 def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
@@ -159,9 +120,6 @@ class _Interrupt:
 
     def __exit__(self, *exc: object) -> None:
         signal.signal(signal.SIGINT, self.previous)
-
-
-Data = tuple[TextTokenizer, Tensor, Tensor]
 
 
 def train(
