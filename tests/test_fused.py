@@ -261,7 +261,9 @@ def test_fused_true_without_a_compiler_is_refused(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("step", ["adamw_step", "adamw_steps"])
-def test_auto_mode_falls_back_to_the_reference_path_when_the_step_does_not_compile(step, monkeypatch) -> None:
+def test_auto_mode_falls_back_to_the_reference_path_when_the_step_does_not_compile(
+    step, monkeypatch, request
+) -> None:
     """On a GPU whose Triton cannot build the step (of one tensor, or of the small tensors
     together), fused=None trains on with the reference path (and says so once); fused=True
     raises the compiler's error."""
@@ -269,9 +271,10 @@ def test_auto_mode_falls_back_to_the_reference_path_when_the_step_does_not_compi
     def broken(*args, **kwargs):
         raise kernels.CompileFailure(lambda: None, RuntimeError("triton: no kernel for this GPU"), None)
 
-    monkeypatch.setattr(kernels, "_auto_failure", [])
+    kernels.resume_auto()
     monkeypatch.setattr(kernels, "compiler_error", lambda device_type: None)
-    monkeypatch.setattr(kernels, "auto_available", lambda device_type: not kernels._auto_failure)
+    monkeypatch.setattr(kernels, "auto_available", lambda device_type: kernels.auto_failure() is None)
+    request.addfinalizer(kernels.resume_auto)
     reference, _ = _run("adamw8bit", False)
     monkeypatch.setattr(kernels, step, broken)
     with pytest.warns(

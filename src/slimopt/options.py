@@ -67,6 +67,23 @@ def group_errors(group: dict[str, Any], rule: UpdateRule, owner: str) -> list[st
     )
 
 
+def fused_unsupported(rule: UpdateRule, group: dict[str, Any], param: Tensor) -> str | None:
+    """Why the fused step (``slimopt.kernels``) cannot update ``param`` of ``group`` exactly
+    under ``rule``, or None."""
+    if rule.fused is None:
+        name = type(rule).__name__.removesuffix("Rule")
+        return f"the {name} rule has no fused step (AdamW and Adafactor only)"
+    if rule.fused == "adafactor" and param.dim() > 2:
+        return "Adafactor's factored statistics of tensors with more than 2 dimensions have no fused step"
+    if group["states"] == "ternary" and param.dim() > 2:
+        return "ternary states of tensors with more than 2 dimensions have no fused step"
+    if param.is_complex():
+        return "complex parameters have no fused step"
+    if param.dtype not in (torch.float32, torch.bfloat16):
+        return f"{param.dtype} parameters have no fused step (fp32 and bf16 only)"
+    return None
+
+
 def _fused_errors(group: dict[str, Any], rule: UpdateRule) -> list[str]:
     """``fused=True`` is a promise: every parameter of the group takes the fused step."""
     choice = group["fused"]
@@ -74,7 +91,7 @@ def _fused_errors(group: dict[str, Any], rule: UpdateRule) -> list[str]:
         return [f"fused must be None (auto), True or False, got {choice!r}"]
     if choice is not True:
         return []
-    reasons = {reason for p in group["params"] if (reason := kernels.unsupported(rule, group, p))}
+    reasons = {reason for p in group["params"] if (reason := fused_unsupported(rule, group, p))}
     for device_type in {p.device.type for p in group["params"] if not p.is_meta}:
         compiler = kernels.compiler_error(device_type)
         if compiler:

@@ -5,6 +5,7 @@ compile it is given up for the rest of the process (``NotCompiled``, a warning).
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -21,6 +22,8 @@ from slimopt.core.record import Update, begin
 from slimopt.core.reference import reference_update
 from slimopt.core.tensors import as_matrix, matrix_of, values
 from slimopt.core.weights import update_weights_projected
+from slimopt.kernels import adafactor
+from slimopt.kernels.adafactor import AdafactorScalars
 from slimopt.rules import AdamWRule
 
 
@@ -77,16 +80,51 @@ def fused_step(
     draws += weights is not None and plan.rounds_weights
     seeds = tuple(stream_seed(update.generator, device) for _ in range(draws))
     factored = (state["exp_avg_sq_row"], state["exp_avg_sq_col"]) if "exp_avg_sq_row" in state else None
-    rule, group, age, step = plan.rule, plan.group, update.age, state["step"]
+    grad = grad.contiguous()
     try:
-        return kernels.fused_step(
-            rule, group, grad.contiguous(), moments, factored, age, step, weights, seeds, update.keep
-        )
+        if plan.rule.fused == "adafactor":
+            # The weights' RMS of ``scale_parameter`` is taken inside the compiled step.
+            hyper = adafactor_hyperparameters(update, grad.device)
+            scale_parameter = plan.group["scale_parameter"]
+            return kernels.adafactor_step(
+                grad, moments, factored, hyper, scale_parameter, weights, seeds, update.keep
+            )
+        hyper = adamw_hyperparameters(update, weights, grad.device)
+        parts, storages, tables = zip(*moments.values(), strict=True)
+        return kernels.adamw_step(grad, parts, storages, tables, hyper, weights, seeds, update.keep)
     except kernels.compile_failures() as error:
         if plan.group["fused"] is True:
             raise
         give_up_auto(error)
         raise NotCompiled from error
+
+
+def adamw_hyperparameters(update: Update, weights: Tensor | None, device: torch.device) -> Tensor:
+    """``kernels.hyperparameters`` of the update: the step size of the unit's step, moments of
+    the update's age; without ``weights`` (a projected matrix's direction), scaled by the
+    group's ``scale``."""
+    rule, group = update.plan.rule, update.plan.group
+    lr = rule.step_size(group, weights, update.state["step"])
+    scale = 1.0 if weights is not None else group["scale"]
+    return kernels.hyperparameters(
+        lr, group["betas"], group["eps"], group["weight_decay"], update.age, scale, device
+    )
+
+
+def adafactor_hyperparameters(update: Update, device: torch.device) -> Tensor:
+    """``kernels.adafactor.hyperparameters`` of the update: its group's scalars, the step size
+    of the unit's step before ``scale_parameter``."""
+    group, beta1 = update.plan.group, update.plan.group["beta1"]
+    scalars = AdafactorScalars(
+        second_moment_weight=math.pow(update.age, group["decay_rate"]),
+        eps_squared=group["eps"][0],
+        eps_rms=group["eps"][1],
+        clip_threshold=group["clip_threshold"],
+        one_minus_beta1=0.0 if beta1 is None else 1 - beta1,
+        weight_decay=group["weight_decay"],
+        step_size=update.plan.rule.unscaled_step_size(group, update.state["step"]),
+    )
+    return adafactor.hyperparameters(scalars, device)
 
 
 def together(update: Update) -> bool:
@@ -109,10 +147,7 @@ def update_together(batch: list[Update]) -> list[Outcome]:
     for update in batch:
         begin(update, own_dtype=True)
         own = values(update.unit)
-        plan, step = update.plan, update.state["step"]
-        hypers.append(
-            kernels.adamw_hyperparameters(plan.rule, plan.group, own, step, update.age, update.grad.device)
-        )
+        hypers.append(adamw_hyperparameters(update, own, update.grad.device))
         stored = stored_moments(update, update.grad.device)
         moments.append(tuple(parts for parts, _, _ in stored.values()))
         grads.append(update.grad)

@@ -22,7 +22,7 @@ from slimopt.codecs import Codec, moment_codec
 from slimopt.codecs.rows import RowSlicedStorage, row_sliced_storage
 from slimopt.codecs.slicing import matrix_shape, sliced
 from slimopt.core.tensors import values
-from slimopt.options import is_projected
+from slimopt.options import fused_unsupported, is_projected
 from slimopt.rules import UpdateRule
 from slimopt.sharding import RowSharding
 
@@ -177,7 +177,7 @@ def fusable(param: Tensor, group: dict[str, Any], rule: UpdateRule) -> bool:
         return False
     if choice is True:
         return True
-    return kernels.auto_available(param.device.type) and kernels.unsupported(rule, group, param) is None
+    return kernels.auto_available(param.device.type) and fused_unsupported(rule, group, param) is None
 
 
 def path_of(group: dict[str, Any], plans: list[Plan]) -> str:
@@ -187,7 +187,7 @@ def path_of(group: dict[str, Any], plans: list[Plan]) -> str:
         return "fused"
     if group["fused"] is False:
         return "reference (fused=False)"
-    reasons = {kernels.unsupported(plan.rule, plan.group, plan.param) for plan in plans} - {None}
+    reasons = {fused_unsupported(plan.rule, plan.group, plan.param) for plan in plans} - {None}
     if not reasons and kernels.auto_failure():
         reasons = {f"the fused step did not compile: {kernels.auto_failure()}"}
     devices = {plan.param.device.type for plan in plans}

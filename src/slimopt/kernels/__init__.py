@@ -17,9 +17,11 @@ launches of ``triton_ternary``. Stochastic roundings
 draw from counter-based streams (``slimopt.codecs.draws``) seeded as the reference path seeds
 them, so they draw the same numbers. Small AdamW tensors (norms, biases) are updated together
 (``adamw_steps``): in one launch of ``triton_multi_tensor`` on CUDA, in one compiled call
-elsewhere. Not
-covered (``unsupported`` says why): TACO's rule, complex parameters, tensors with more than two
-dimensions under ternary states or Adafactor (their factored statistics are over the last two).
+elsewhere. Not covered (``slimopt.options.fused_unsupported`` says why): TACO's rule, complex
+parameters, tensors with more than two dimensions under ternary states or Adafactor (their
+factored statistics are over the last two). The steps take tensors, storage descriptors
+(``formats.Storage``) and scalars; which step a rule takes, and its scalars, are decided in
+``slimopt.core.fused``.
 """
 
 from __future__ import annotations
@@ -45,15 +47,12 @@ __all__ = [
     "Moment",
     "Storage",
     "adafactor_step",
-    "adamw_hyperparameters",
     "adamw_step",
     "adamw_steps",
     "compile_settings",
-    "fused_step",
     "hyperparameters",
     "scalars",
     "storage_of",
-    "unsupported",
 ]
 
 # What ``fused=`` accepts: None chooses the fused path where it exists and runs on CUDA.
@@ -122,22 +121,10 @@ def give_up_auto(reason: str) -> None:
     _auto_failure.append(reason)
 
 
-def unsupported(rule: Any, group: dict[str, Any], param: Tensor) -> str | None:
-    """Why the fused step cannot update ``param`` of ``group`` exactly, or None."""
-    from slimopt.rules import AdafactorRule, AdamWRule
-
-    if not isinstance(rule, (AdamWRule, AdafactorRule)):
-        name = type(rule).__name__.removesuffix("Rule")
-        return f"the {name} rule has no fused step (AdamW and Adafactor only)"
-    if isinstance(rule, AdafactorRule) and param.dim() > 2:
-        return "Adafactor's factored statistics of tensors with more than 2 dimensions have no fused step"
-    if group["states"] == "ternary" and param.dim() > 2:
-        return "ternary states of tensors with more than 2 dimensions have no fused step"
-    if param.is_complex():
-        return "complex parameters have no fused step"
-    if param.dtype not in (torch.float32, torch.bfloat16):
-        return f"{param.dtype} parameters have no fused step (fp32 and bf16 only)"
-    return None
+def resume_auto() -> None:
+    """Take the fused step in auto mode again after ``give_up_auto`` (a process that fixed its
+    compiler; tests that give it up on purpose)."""
+    _auto_failure.clear()
 
 
 def compiler_error(device_type: str) -> str | None:
@@ -152,46 +139,6 @@ def compiler_error(device_type: str) -> str | None:
     ):
         return "torch.compile needs a C++ compiler for the CPU (g++ or clang++), and none is on PATH"
     return None
-
-
-def fused_step(
-    rule: Any,
-    group: dict[str, Any],
-    grad: Tensor,
-    moments: dict[str, Moment],
-    factored: tuple[Tensor, Tensor] | None,
-    age: int,
-    step: int,
-    weights: Tensor | None,
-    seeds: tuple[Tensor, ...] = (),
-    keep: Tensor | None = None,
-) -> Tensor | None:
-    """One step of ``rule`` (AdamW or Adafactor, with ``group``'s hyperparameters) on the fp32
-    matrix ``grad``: ``moments`` by key in the rule's order, Adafactor's raw ``factored`` row and
-    column statistics, step ``age`` of the moments and ``step`` of the parameter (its step
-    size's); ``weights``, ``seeds`` and ``keep`` as for ``adamw_step``."""
-    from slimopt.kernels import adafactor
-    from slimopt.rules import AdafactorRule
-
-    device = grad.device
-    if isinstance(rule, AdafactorRule):
-        # The weights' RMS of ``scale_parameter`` is taken inside the compiled step.
-        hyper = adafactor.hyperparameters(age, rule.unscaled_step_size(group, step), group, device)
-        return adafactor_step(grad, moments, factored, hyper, group["scale_parameter"], weights, seeds, keep)
-    hyper = adamw_hyperparameters(rule, group, weights, step, age, device)
-    parts, storages, tables = zip(*moments.values(), strict=True)
-    return adamw_step(grad, parts, storages, tables, hyper, weights, seeds, keep)
-
-
-def adamw_hyperparameters(
-    rule: Any, group: dict[str, Any], weights: Tensor | None, step: int, age: int, device: Any
-) -> Tensor:
-    """``hyperparameters`` of one AdamW step of ``group``: the step size of the parameter's step
-    ``step``, moments of age ``age``; without ``weights`` (a projected matrix's direction),
-    scaled by the group's ``scale``."""
-    lr = rule.step_size(group, weights, step)
-    scale = 1.0 if weights is not None else group["scale"]
-    return hyperparameters(lr, group["betas"], group["eps"], group["weight_decay"], age, scale, device)
 
 
 # Both moments' stored parts by name, their storages, and their lookup tables (empty but for blocks).

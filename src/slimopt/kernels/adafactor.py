@@ -12,8 +12,7 @@ as the AdamW step does, so every storage format the reference path has is covere
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -98,18 +97,18 @@ def _decode(
     return formats.decode(parts, storage, table, torch.Size([shape.numel()])).view(shape)
 
 
-def hyperparameters(age: int, size: float, group: dict[str, Any], device: torch.device) -> Tensor:
-    """The step's scalars as one fp32 tensor: the second moment's weight ``age ** decay_rate``,
-    ``eps`` (the squared gradient's, then the weights' RMS floor), ``clip_threshold``,
-    ``1 - beta1``, ``weight_decay`` and the step size ``size`` before ``scale_parameter``."""
-    beta1 = group["beta1"]
-    values = (
-        math.pow(age, group["decay_rate"]),
-        group["eps"][0],
-        group["eps"][1],
-        group["clip_threshold"],
-        0.0 if beta1 is None else 1 - beta1,
-        group["weight_decay"],
-        size,
-    )
+class AdafactorScalars(NamedTuple):
+    """One Adafactor step's scalars, in the order the compiled step reads them."""
+
+    second_moment_weight: float  # age ** decay_rate
+    eps_squared: float  # added to the squared gradient
+    eps_rms: float  # the floor of the weights' RMS (scale_parameter)
+    clip_threshold: float
+    one_minus_beta1: float  # 0 without momentum
+    weight_decay: float
+    step_size: float  # before scale_parameter
+
+
+def hyperparameters(values: AdafactorScalars, device: torch.device) -> Tensor:
+    """The step's scalars as one fp32 tensor on ``device``."""
     return scalars(tuple(float(value) for value in values), device)

@@ -27,6 +27,8 @@ class UpdateRule(Protocol):
     # whether each element's update depends only on that element (then a large matrix may be
     # updated a slice of rows at a time)
     elementwise: bool
+    # which fused step of ``slimopt.kernels`` computes this rule ("adamw", "adafactor"), or None
+    fused: str | None
     # the rule's hyperparameters besides lr and weight_decay, with their defaults: a param group
     # whose ``rule`` is not its optimizer's own takes these, not the optimizer's
     defaults: dict[str, Any]

@@ -41,6 +41,7 @@ class AdafactorRule:
 
     moment_kinds: ClassVar[dict[str, str]] = {"exp_avg": "linear", "exp_avg_sq": "square"}
     elementwise: ClassVar[bool] = False  # factored statistics and RMS clipping span the tensor
+    fused: ClassVar[str | None] = "adafactor"
     # Hyperparameters of the rule besides lr and weight_decay, with transformers' defaults;
     # relative_step None: True exactly when lr is None.
     defaults: ClassVar[dict[str, Any]] = {

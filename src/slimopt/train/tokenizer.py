@@ -52,7 +52,7 @@ def bpe_tokenizer(
     if path.exists():
         backend = Tokenizer.from_file(str(path))
     else:
-        backend = _train_bpe(train_texts, vocab_size)
+        backend = train_bpe(train_texts, vocab_size)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".tmp")
         backend.save(str(partial))
@@ -60,7 +60,8 @@ def bpe_tokenizer(
     return TextTokenizer(backend, backend.get_vocab_size(), backend.token_to_id(END_OF_TEXT), f"bpe:{path}")
 
 
-def _train_bpe(texts: list[str], vocab_size: int) -> Any:
+def train_bpe(texts: list[str], vocab_size: int) -> Any:
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts`` to ``vocab_size`` tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     backend = Tokenizer(models.BPE())
