@@ -9,7 +9,7 @@ from slimopt.core.moments import decode_all, encode
 from slimopt.core.outcome import Outcome
 from slimopt.core.record import Update
 from slimopt.core.tensors import as_matrix, matrix_of
-from slimopt.core.weights import update_weights, update_weights_projected
+from slimopt.core.weights import WeightStep, update_weights, update_weights_projected
 
 
 def reference_update(update: Update) -> Outcome:
@@ -23,14 +23,14 @@ def reference_update(update: Update) -> Outcome:
     encode(plan, state, moments, update.generator, update.layout)
     with matrix_of(update.unit) as weights:
         lr = plan.rule.step_size(group, weights, state["step"])
-        decay = group["weight_decay"]
         rounding = update.generator if plan.rounds_weights else None
         if update.basis is None:
-            update_weights(weights, as_matrix(direction), lr, 1.0, decay, rounding)
+            update_weights(
+                weights, as_matrix(direction), WeightStep(lr, 1.0, group["weight_decay"], rounding)
+            )
             return Outcome.TAKEN
+        step = WeightStep(lr, group["scale"], group["weight_decay"], rounding)
         # Back-projected a slice of rows at a time: no full-size fp32 update of a large matrix.
         for _, rows in slices_to_update(*weights.shape, meta=weights.is_meta):
-            update_weights_projected(
-                weights, direction, update.basis, rows, lr, group["scale"], decay, rounding
-            )
+            update_weights_projected(weights, direction, update.basis, rows, step)
     return Outcome.TAKEN

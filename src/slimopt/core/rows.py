@@ -12,7 +12,7 @@ from slimopt.core.record import Update
 from slimopt.core.seeds import rounding_generator
 from slimopt.core.tensors import as_matrix, matrix_of
 from slimopt.core.units import advance
-from slimopt.core.weights import update_weights
+from slimopt.core.weights import WeightStep, update_weights
 
 
 def update_by_row_slices(update: Update) -> Outcome:
@@ -62,5 +62,5 @@ def update_by_row_slices(update: Update) -> Outcome:
             direction = plan.rule.direction(slice_grad, moments, update.age, group)
             for key, storage in storages.items():
                 storage.encode(stored[key], index, moments[key], update.generator)
-            update_weights(weights[rows], direction, lr, 1.0, group["weight_decay"], rounding)
+            update_weights(weights[rows], direction, WeightStep(lr, 1.0, group["weight_decay"], rounding))
     return Outcome.TAKEN if update.keep is None else Outcome.MASKED
