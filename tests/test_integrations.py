@@ -289,7 +289,7 @@ def test_trainer_under_torchrun_ddp(tmp_path) -> None:
     import subprocess
     import sys
 
-    script = Path(__file__).with_name("trainer_under_torchrun.py")
+    script = Path(__file__).parent / "scripts" / "trainer_under_torchrun.py"
     command = [
         sys.executable,
         "-m",

@@ -1,5 +1,5 @@
 """Processes killed mid-run: one of two torchrun processes (FSDP2, sharded checkpoints after
-every step) is killed with SIGKILL at a planted point (``faulty_train.py``): as a step begins,
+every step) is killed with SIGKILL at a planted point (``scripts/faulty_train.py``): as a step begins,
 inside a DCP checkpoint write, just before a checkpoint's manifest, or its shard write fails
 for a full disk. Afterwards every checkpoint that looks complete verifies, and ``--resume``
 continues from the newest to exactly the uninterrupted run's losses.
@@ -72,7 +72,7 @@ def test_a_killed_run_resumes_exactly_from_its_newest_complete_checkpoint(
     workspace: Path, tmp_path: Path, uninterrupted, point: str, rank: int, count: int
 ) -> None:
     out = tmp_path / "run"
-    script = str(Path(__file__).with_name("faulty_train.py"))
+    script = str(Path(__file__).parent / "scripts" / "faulty_train.py")
     failed = _torchrun([script], [point, str(rank), str(count), "--", *_flags(workspace, out)])
     assert failed.returncode != 0, "the planted fault never fired"
     if point == "enospc":

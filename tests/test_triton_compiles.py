@@ -1,7 +1,7 @@
 """The hand-written Triton kernels compile for an H100/H200 (sm_90) on a machine without a GPU:
 every kernel variant a few fused optimizer steps launch (every storage format, fp32 and bf16
 weights rounded both ways, projected matrices, skip flags on the device) goes through Triton's
-whole pipeline down to a cubin (``tests/triton_sm90_compile.py``). The interpreter, which the
+whole pipeline down to a cubin (``tests/scripts/triton_sm90_compile.py``). The interpreter, which the
 other tests use, checks what the kernels compute but not that a GPU compiler accepts them."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def test_every_triton_kernel_compiles_for_sm90() -> None:
     if importlib.util.find_spec("triton.backends.nvidia") is None:
         pytest.skip("this Triton has no NVIDIA backend")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("triton_sm90_compile.py")
+    script = Path(__file__).parent / "scripts" / "triton_sm90_compile.py"
     result = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600, check=False
     )

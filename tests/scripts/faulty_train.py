@@ -1,6 +1,6 @@
 """Run by ``test_kills`` under torchrun: ``slimopt train`` with one fault planted.
 
-    torchrun --standalone --nproc_per_node 2 tests/faulty_train.py POINT RANK COUNT -- TRAIN ARGS
+    torchrun --standalone --nproc_per_node 2 tests/scripts/faulty_train.py POINT RANK COUNT -- TRAIN ARGS
 
 Process RANK meets the fault at the COUNT-th time it passes POINT:
 
@@ -20,7 +20,7 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def plant(point: str, rank: int, count: int) -> None:

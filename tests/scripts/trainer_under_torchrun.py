@@ -1,7 +1,7 @@
 """Run by ``test_integrations`` under ``torchrun``: SlimoptTrainer (DDP through accelerate) on a
 tiny LLaMA; each process writes its losses and a digest of its parameters to ``<out>/rank<N>.json``.
 
-    torchrun --standalone --nproc_per_node 2 tests/trainer_under_torchrun.py OUT OPTIMIZER
+    torchrun --standalone --nproc_per_node 2 tests/scripts/trainer_under_torchrun.py OUT OPTIMIZER
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.conftest import tiny_llama
 from tests.test_integrations import ShakespeareRows, _args
