@@ -7,7 +7,7 @@ import torch
 
 from slimopt import GaLoreAdafactor
 
-from .test_adamw import gradient, relative_error
+from .support import gradient, relative_error
 
 transformers_optimization = pytest.importorskip("transformers.optimization")
 

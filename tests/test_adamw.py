@@ -4,29 +4,12 @@ projected groups."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from slimopt import GaLoreAdamW
 
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
-
-
-def gradient(step: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """A deterministic gradient with a decaying spectrum, different at every step."""
-    generator = torch.Generator().manual_seed(1000 + step)
-    if len(shape) < 2:
-        return torch.randn(shape, generator=generator)
-    rows, cols = shape[0], math.prod(shape[1:])
-    k = min(rows, cols)
-    spectrum = torch.logspace(0, -2, k)
-    left = torch.linalg.qr(torch.randn(rows, k, generator=generator)).Q
-    right = torch.linalg.qr(torch.randn(cols, k, generator=generator)).Q
-    return ((left * spectrum) @ right.T).reshape(shape)
+from .support import gradient, relative_error
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

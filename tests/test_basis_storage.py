@@ -9,7 +9,7 @@ import torch
 
 from slimopt import GaLoreAdamW, state_nbytes
 
-from .test_adamw import gradient
+from .support import gradient
 from .test_convergence import final_training_loss
 
 

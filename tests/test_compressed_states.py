@@ -18,6 +18,8 @@ from slimopt import (
     state_nbytes,
 )
 
+from .support import relative_error
+
 SHAPE = (1024, 96)
 
 
@@ -27,10 +29,6 @@ def decoded_moments(
     moments = decoded_state(optimizer, param)
     assert moments["exp_avg"].shape == shape
     return moments
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
 
 
 # Documented bounds of the lockstep protocol (50 steps, i.i.d. gradients, parameters re-synced
@@ -77,8 +75,10 @@ def test_lockstep_with_fp32_adamw(states: str) -> None:
         with torch.no_grad():
             param.copy_(reference_param)
     if first_bound is not None:
-        assert relative(moments["exp_avg"], reference.state[reference_param]["exp_avg"]) < first_bound
-    assert relative(moments["exp_avg_sq"], reference.state[reference_param]["exp_avg_sq"]) < second_bound
+        assert relative_error(moments["exp_avg"], reference.state[reference_param]["exp_avg"]) < first_bound
+    assert (
+        relative_error(moments["exp_avg_sq"], reference.state[reference_param]["exp_avg_sq"]) < second_bound
+    )
 
 
 def test_parity_with_bitsandbytes_adamw8bit() -> None:
@@ -109,8 +109,8 @@ def test_parity_with_bitsandbytes_adamw8bit() -> None:
             code=theirs[f"qmap{index}"],
             blocksize=256,
         )
-        assert relative(moments[key], expected) < 0.01
-    assert relative(param.detach(), reference_param.detach()) < 1e-3
+        assert relative_error(moments[key], expected) < 0.01
+    assert relative_error(param.detach(), reference_param.detach()) < 1e-3
 
 
 def test_projected_int8_states_follow_fp32_galore() -> None:
@@ -129,7 +129,7 @@ def test_projected_int8_states_follow_fp32_galore() -> None:
             weight.grad = signal + 0.5 * noise
             optimizer.step()
         runs[states] = weight.detach() - initial
-    assert relative(runs["int8"], runs["fp32"]) < 0.05
+    assert relative_error(runs["int8"], runs["fp32"]) < 0.05
 
 
 @pytest.mark.parametrize("states", ["fp32", "int8", "int4", "ternary"])
@@ -183,7 +183,7 @@ def test_subspace_policies_transform_compressed_moments(policy: str, states: str
         "rotate": new_basis.T @ old_basis @ old_moment,
     }
     errors = {
-        name: relative(moment, 0.9 * value + 0.1 * new_basis.T @ weight.grad)
+        name: relative_error(moment, 0.9 * value + 0.1 * new_basis.T @ weight.grad)
         for name, value in carried.items()
     }
     assert errors[policy] < codec_error

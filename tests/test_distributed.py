@@ -19,6 +19,7 @@ import slimopt.sharding
 from benchmarks.processes import free_port
 
 from .conftest import run_ranks
+from .support import relative_error
 
 WORLD = 2
 STEPS = 6
@@ -300,10 +301,8 @@ def _run_ranks(strategy: str, tmp_path: Path) -> list[dict]:
 
 
 def relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    keys = [key for key in b if not key.endswith(".basis")]
-    x = torch.cat([a[key].flatten() for key in keys])
-    y = torch.cat([b[key].flatten() for key in keys])
-    return ((x - y).norm() / y.norm()).item()
+    """``relative_error`` of the parameters (the bases left out)."""
+    return relative_error(a, {key: value for key, value in b.items() if not key.endswith(".basis")})
 
 
 # Largest relative distance from the one-process run after STEPS steps. fp32 formats: reduction
@@ -437,11 +436,6 @@ def _resumed(name: str, directory: Path, world: int) -> list[torch.Tensor]:
     return _whole(model)
 
 
-def _relative(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    x, y = torch.cat([t.flatten() for t in ours]), torch.cat([t.flatten() for t in reference])
-    return ((x - y).norm() / y.norm()).item()
-
-
 @pytest.mark.slow  # two processes, two optimizers, five runs each: about 25 s
 def test_distributed_checkpoints_resume_exactly_and_load_into_another_world_size(tmp_path) -> None:
     from safetensors.torch import load_file
@@ -460,9 +454,9 @@ def test_distributed_checkpoints_resume_exactly_and_load_into_another_world_size
         # 2 → 1 and 1 → 2: moments re-split by rows (re-encoded, for int8); the runs then differ
         # from the uninterrupted ones as 1 and 2 processes do (reduction order, int8 blocks).
         two_to_one = _resumed(name, tmp_path / f"{name}-two", 1)
-        assert _relative(two_to_one, two["uninterrupted"]) < TOLERANCES["fsdp2"][name]
+        assert relative_error(two_to_one, two["uninterrupted"]) < TOLERANCES["fsdp2"][name]
         one_to_two = ranks[0][f"{name}.from_one"]
-        assert _relative(one_to_two, one[name]["uninterrupted"]) < TOLERANCES["fsdp2"][name]
+        assert relative_error(one_to_two, one[name]["uninterrupted"]) < TOLERANCES["fsdp2"][name]
         assert all(torch.equal(a, b) for a, b in zip(one_to_two, ranks[1][f"{name}.from_one"], strict=True))
     # One file of whole tensors, for inference or fine-tuning elsewhere.
     exported = load_file(

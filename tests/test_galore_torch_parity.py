@@ -19,7 +19,7 @@ import torch
 from slimopt import GaLoreAdamW
 from slimopt.projection import canonicalize_signs
 
-from .test_adamw import gradient, relative_error
+from .support import gradient, relative_error
 
 galore_torch = pytest.importorskip("galore_torch")
 from galore_torch.galore_projector import GaLoreProjector  # noqa: E402

@@ -7,7 +7,7 @@ import torch
 
 from slimopt import GaLoreAdafactor, GaLoreAdamW
 
-from .test_adamw import gradient, relative_error
+from .support import gradient, relative_error
 
 pytestmark = pytest.mark.gpu
 

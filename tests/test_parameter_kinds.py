@@ -11,7 +11,7 @@ import torch
 import slimopt
 from slimopt import GaLoreAdafactor, GaLoreAdamW
 
-from .test_adamw import gradient, relative_error
+from .support import gradient, relative_error
 
 FORMATS = ["fp32", "bf16", "int8", "int4", "ternary"]
 

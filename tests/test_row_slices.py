@@ -14,7 +14,7 @@ from slimopt.codecs import slicing
 from slimopt.codecs.slicing import SLICE_NUMEL
 from slimopt.memory import LiveBytes
 
-from .test_adamw import gradient, relative_error
+from .support import gradient, relative_error
 
 
 @pytest.fixture

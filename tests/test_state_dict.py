@@ -17,6 +17,7 @@ from slimopt import (
 )
 
 from .conftest import tiny_llama
+from .support import relative_error
 
 # Rank 64 of the tiny LLaMA's 64 keeps projected states above the size under which they stay fp32,
 # so compressed states are exercised; that rank saves no memory, which build_optimizer warns of.
@@ -137,11 +138,11 @@ def test_a_torch_adamw_state_dict_continues_in_any_storage(states, tolerance) ->
     expected = reference.state[reference_params[0]]["exp_avg_sq"]
     if states == "ternary":  # factored: the row and column means are what is kept
         second, expected = second.mean(1), expected.mean(1)
-    assert relative(second, expected) < 0.02
+    assert relative_error(second, expected) < 0.02
     _steps(reference_params, reference, 3, 4)
     _steps(params, optimizer, 3, 4)
     for ours, theirs in zip(params, reference_params, strict=True):
-        assert relative(ours.detach(), theirs.detach()) < tolerance
+        assert relative_error(ours.detach(), theirs.detach()) < tolerance
 
 
 def test_a_checkpoint_of_another_storage_format_is_reencoded() -> None:
@@ -160,14 +161,10 @@ def test_a_checkpoint_of_another_storage_format_is_reencoded() -> None:
     assert state["exp_avg.codes"].dtype == torch.uint8 and state["basis_right.codes"].dtype == torch.uint8
     assert int8.param_groups[0]["states"] == "int8"
     expected = decoded_state(fp32, params[0])["exp_avg"]
-    assert relative(decoded_state(int8, copies[0])["exp_avg"], expected) < 0.02
+    assert relative_error(decoded_state(int8, copies[0])["exp_avg"], expected) < 0.02
     _steps(params, fp32, 3, 2)
     _steps(copies, int8, 3, 2)
-    assert relative(copies[0].detach(), params[0].detach()) < 1e-3
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
+    assert relative_error(copies[0].detach(), params[0].detach()) < 1e-3
 
 
 def test_moments_of_a_large_matrix_transplant_into_torch_adamw() -> None:

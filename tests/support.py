@@ -1,0 +1,40 @@
+"""Helpers the test files share: how far one result is from a reference, and deterministic
+gradients. (The table of configurations generic tests run over is ``configurations.py``.)"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+Tensors = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+
+
+def relative_error(actual: Tensors, expected: Tensors) -> float:
+    """‖actual − expected‖ / ‖expected‖ in float64, over a tensor or over lists or dicts of
+    tensors taken as one vector (a dict's entries in ``expected``'s key order)."""
+    return (
+        (_flat(actual, expected) - _flat(expected, expected)).norm() / _flat(expected, expected).norm()
+    ).item()
+
+
+def _flat(tensors: Tensors, order: Tensors) -> torch.Tensor:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.detach().double().flatten()
+    if isinstance(tensors, Mapping):
+        tensors = [tensors[key] for key in order]  # type: ignore[union-attr]
+    return torch.cat([t.detach().double().flatten() for t in tensors])
+
+
+def gradient(step: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A deterministic gradient with a decaying spectrum, different at every step."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    if len(shape) < 2:
+        return torch.randn(shape, generator=generator)
+    rows, cols = shape[0], math.prod(shape[1:])
+    k = min(rows, cols)
+    spectrum = torch.logspace(0, -2, k)
+    left = torch.linalg.qr(torch.randn(rows, k, generator=generator)).Q
+    right = torch.linalg.qr(torch.randn(cols, k, generator=generator)).Q
+    return ((left * spectrum) @ right.T).reshape(shape)
