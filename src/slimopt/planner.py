@@ -230,23 +230,18 @@ def _setting(arguments: dict[str, Any]) -> dict[str, Any]:
 
 def build_model(setting: dict[str, Any], device: torch.device) -> nn.Module:
     """The model of a planner ``setting`` (``model``, ``vocab_size``, ``seq_len``, ``dtype``,
-    ``checkpointing``) on ``device``, built directly in its dtype and in training mode."""
-    from slimopt.train.models import LLAMA_PRESETS, build_llama, default_dtype, enable_checkpointing
+    ``checkpointing``) on ``device``, built directly in its dtype and in training mode
+    (``slimopt.train.models.build_model``)."""
+    from slimopt.train import models
 
-    with torch.device(device), default_dtype(DTYPES[setting["dtype"]]):
-        if setting["model"] in LLAMA_PRESETS:
-            model = build_llama(setting["model"], setting["vocab_size"], max_seq_len=setting["seq_len"])
-        else:
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            config = AutoConfig.from_pretrained(setting["model"])
-            config.vocab_size = setting["vocab_size"]
-            model = AutoModelForCausalLM.from_config(config)
-    model.to(DTYPES[setting["dtype"]])  # also the buffers HF makes in fp32 explicitly (rotary)
-    if setting["checkpointing"]:
-        enable_checkpointing(model)
-    model.train()
-    return model
+    with torch.device(device):
+        return models.build_model(
+            setting["model"],
+            setting["vocab_size"],
+            setting["seq_len"],
+            dtype=DTYPES[setting["dtype"]],
+            checkpointing=setting["checkpointing"],
+        )
 
 
 def _check_rank(model: nn.Module, setting: dict[str, Any], options: dict[str, Any]) -> None:

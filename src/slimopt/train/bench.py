@@ -153,12 +153,11 @@ def write_json(rows: list[dict[str, Any]], setting: dict[str, Any], path: str | 
 
 
 def _model(name: str, device: torch.device) -> nn.Module:
-    from slimopt.train.models import build_llama, default_dtype
+    from slimopt.train.models import build_model
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with torch.device(device), default_dtype(dtype):
-        model = build_llama(name, 32000, max_seq_len=2048)
-    return model.to(dtype).train()
+    with torch.device(device):
+        return build_model(name, 32000, 2048, dtype=dtype)
 
 
 def _optimizer(model: nn.Module, name: str, lr: float, rank: int | None) -> Any:

@@ -30,11 +30,10 @@ from slimopt.files import write_atomically
 from slimopt.layerwise import layerwise
 from slimopt.memory import LiveBytes, state_nbytes, state_tensors
 from slimopt.sharding import barrier, from_first, local_view
-from slimopt.train import metrics
+from slimopt.train import metrics, models
 from slimopt.train.checkpoint import checkpoint_to_resume, load_resumed, save_checkpoint
 from slimopt.train.config import TrainConfig, saved_config
 from slimopt.train.data import Batches, Data, prepare_data
-from slimopt.train.models import build_llama, enable_checkpointing
 from slimopt.train.parallel import Parallel, start_run
 from slimopt.train.report import count, messenger, progress_bar
 from slimopt.train.rundir import RunLock, check_free, check_out, claim, run_directory
@@ -55,18 +54,9 @@ def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
 
 
 def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
-    """A LLaMA preset, or a Hugging Face config file or directory."""
-    if Path(config.model).exists():
-        from transformers import AutoConfig, LlamaForCausalLM
-
-        hf_config = AutoConfig.from_pretrained(config.model)
-        hf_config.vocab_size = vocab_size
-        model = LlamaForCausalLM(hf_config)
-    else:
-        model = build_llama(config.model, vocab_size, max_seq_len=config.seq_len)
-    if config.checkpointing:
-        enable_checkpointing(model)
-    return model
+    """The run's model: a LLaMA preset, or a Hugging Face config file or directory
+    (``slimopt.train.models.build_model``)."""
+    return models.build_model(config.model, vocab_size, config.seq_len, checkpointing=config.checkpointing)
 
 
 def check_optimizer(config: TrainConfig, vocab_size: int) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +49,35 @@ def build_llama(
         **config,
     )
     return LlamaForCausalLM(llama_config)
+
+
+def build_model(
+    model: str,
+    vocab_size: int,
+    seq_len: int,
+    *,
+    dtype: torch.dtype | None = None,
+    checkpointing: bool = False,
+) -> nn.Module:
+    """The one model builder of the training loop, the planner and ``slimopt bench``: a Hugging
+    Face config file or directory ``model`` (``AutoModelForCausalLM``), else a LLaMA preset name,
+    randomly initialised with ``vocab_size`` tokens and room for ``seq_len``; built directly in
+    ``dtype`` when given (buffers too), with activation checkpointing if asked, in training mode.
+    Raises ``ValueError`` for a name that is neither a path nor a preset."""
+    with contextlib.nullcontext() if dtype is None else default_dtype(dtype):
+        if Path(model).exists():
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(model)
+            config.vocab_size = vocab_size
+            built = AutoModelForCausalLM.from_config(config)
+        else:
+            built = build_llama(model, vocab_size, max_seq_len=seq_len)
+    if dtype is not None:
+        built.to(dtype)  # also the buffers Hugging Face makes in fp32 explicitly (rotary)
+    if checkpointing:
+        enable_checkpointing(built)
+    return built.train()
 
 
 def enable_checkpointing(model: nn.Module) -> None:
