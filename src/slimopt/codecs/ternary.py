@@ -24,8 +24,8 @@ Blocks and bytes run down the columns (``grid``): in a matrix of at least 32 row
 holds the digits of rows 5a … 5a+4 of column c and block (b, c) covers rows 8b … 8b+7 of it (the
 last byte and block are padded). A pass over the matrix row by row then reads the codes and
 exponents of a row as contiguous vectors, as it reads the row's values: the fused step decodes
-in its vector loop instead of gathering bytes and exponents element by element (the compiled
-loops of one 8192×512 step: 14.3–15.0 → 10.7–11.7 ms; benchmarks/RESULTS.md). A matrix of
+in its vector loop instead of gathering bytes and exponents element by element (measured:
+benchmarks/RESULTS.md, "State storage"). A matrix of
 fewer rows is laid out as one column of its elements in order: padding a few rows to a whole
 block would cost more than the layout saves.
 """

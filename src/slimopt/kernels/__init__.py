@@ -71,7 +71,7 @@ COMPILE_SETTINGS = {
 # Inductor's options for the compiled steps. Every table index in them is in range by
 # construction (an 8-bit code into a map of 256 values, a 4-bit one into 16, a 17-bit bucket
 # into a table of 2**17 entries), so the bounds check Inductor puts before each lookup only
-# costs time: 7% of an int8 step of an 8192×512 matrix on the CPU.
+# costs time (measured: benchmarks/RESULTS.md, "State storage").
 INDUCTOR_OPTIONS = {"assert_indirect_indexing": False}
 
 
@@ -183,7 +183,7 @@ def adamw_step(
     # Moments scaled by rows and columns compile once per matrix shape: with sizes as constants
     # the element → byte, digit and block arithmetic of ternary codes becomes multiplications
     # by constants instead of divisions by symbols, and Inductor drops the bounds checks that
-    # kept the loops scalar (one 8192×512 step: 30 ms with symbolic sizes, 20 ms with constants).
+    # kept the loops scalar (measured: benchmarks/RESULTS.md, "State storage").
     with compile_settings():
         step = _compiled(_adamw_step)
         direction, deferred = step(grad, moments, storages, tables, hyper, weights, seeds, keep)
@@ -205,8 +205,8 @@ def adamw_steps(
 
     On a Triton device, one launch of the multi-tensor kernel (``triton_multi_tensor``), where a
     launch per tensor costs more than the update of a norm's few thousand elements. Elsewhere
-    one compiled call, where a call costs about 100 µs of dynamo's guards and wrappers: grouped,
-    a model's norms and biases pay it once. Shapes are constants there: one compilation per
+    one compiled call, where each call pays dynamo's guards and wrappers (benchmarks/RESULTS.md,
+    "State storage"): grouped, a model's norms and biases pay them once. Shapes are constants there: one compilation per
     set of tensors, which a model keeps from step to step."""
     if hypers.device.type in TRITON_DEVICE_TYPES and _triton_installed():
         from slimopt.kernels import triton_multi_tensor
@@ -326,8 +326,8 @@ def _compile(function: Callable[..., Any]) -> Callable[..., Any]:
 @contextlib.contextmanager
 def compile_settings() -> Iterator[None]:
     """``COMPILE_SETTINGS`` in effect, for the compiled steps called inside. Entering them costs
-    about as much as a guard check (20 ms of a llama_60m ternary step, entered per compiled
-    call), so ``step()`` enters them once for all its tensors and the steps inside skip it."""
+    about as much as a guard check (entered per compiled call, a noticeable part of a step), so
+    ``step()`` enters them once for all its tensors and the steps inside skip it."""
     if getattr(_settings, "entered", False):
         yield
         return
