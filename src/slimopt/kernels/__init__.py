@@ -206,8 +206,8 @@ def adamw_steps(
     On a Triton device, one launch of the multi-tensor kernel (``triton_multi_tensor``), where a
     launch per tensor costs more than the update of a norm's few thousand elements. Elsewhere
     one compiled call, where each call pays dynamo's guards and wrappers (benchmarks/RESULTS.md,
-    "State storage"): grouped, a model's norms and biases pay them once. Shapes are constants there: one compilation per
-    set of tensors, which a model keeps from step to step."""
+    "State storage"): grouped, a model's norms and biases pay them once. Shapes are constants
+    there: one compilation per set of tensors, which a model keeps from step to step."""
     if hypers.device.type in TRITON_DEVICE_TYPES and _triton_installed():
         from slimopt.kernels import triton_multi_tensor
 
