@@ -267,6 +267,9 @@ def test_the_default_out_is_new_for_every_run(workspace: Path, tmp_path: Path, c
         (["--eval-every", "-2"], "--eval-every must be a positive integer, got -2"),
         (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
         (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+        # Optimizer flags are read as Hugging Face's optim_args are (registry.parse_option).
+        (["--rank", "four"], "argument --rank: rank='four': expected int"),
+        (["--scale", "big"], "argument --scale: scale='big': expected float"),
     ],
 )
 def test_each_bad_value_is_one_line_naming_the_flag(flags, message, workspace, tmp_path, capsys) -> None:

@@ -21,6 +21,7 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, NoReturn
@@ -29,7 +30,7 @@ from slimopt import __version__
 from slimopt.distributed import STRATEGIES
 from slimopt.layerwise import REFRESH_FROM
 from slimopt.options import PROJECTION_DEFAULTS, STORAGE_DEFAULTS
-from slimopt.registry import OPTIMIZERS, OPTION_TYPES, available_optimizers, resolve_name
+from slimopt.registry import OPTIMIZERS, OPTION_TYPES, available_optimizers, parse_option, resolve_name
 from slimopt.train.models import LLAMA_PRESETS
 
 # Flags that configure the optimizer rather than the run, with their types (``stagger``, a
@@ -158,7 +159,22 @@ def _optimizer_flags(parser: argparse.ArgumentParser) -> None:
                 "step compiles); --no-fused: the reference path; default: fused on CUDA only",
             )
         else:
-            parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help=_option_help(name))
+            parser.add_argument(
+                f"--{name.replace('_', '-')}", type=_option_reader(name), help=_option_help(name)
+            )
+
+
+def _option_reader(name: str) -> Callable[[str], Any]:
+    """argparse's reading of optimizer flag ``name``: ``parse_option``, which Hugging Face's
+    ``optim_args`` read with too; its error becomes argparse's (exit 2, one line)."""
+
+    def read(text: str) -> Any:
+        try:
+            return parse_option(name, text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return read
 
 
 def build_parser() -> argparse.ArgumentParser:

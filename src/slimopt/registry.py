@@ -45,6 +45,25 @@ OPTION_TYPES: dict[str, type] = {
 }
 
 
+def parse_option(key: str, text: str) -> Any:
+    """The value of optimizer option ``key`` (one of ``OPTION_TYPES``) written as ``text``: the
+    one reading of option text, for the command line's flags and Hugging Face's ``optim_args``.
+    Booleans are true/false/1/0, ``block_size`` may be none. Raises ``ValueError`` naming the
+    key, the text and the type expected."""
+    kind = OPTION_TYPES[key]
+    if kind is bool:
+        lowered = text.lower()
+        if lowered not in ("true", "false", "1", "0"):
+            raise ValueError(f"{key}={text!r}: expected true or false")
+        return lowered in ("true", "1")
+    if key == "block_size" and text.lower() == "none":
+        return None
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{key}={text!r}: expected {kind.__name__}") from None
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     """An optimizer class and whether its selected matrices are projected."""

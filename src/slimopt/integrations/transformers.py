@@ -30,6 +30,7 @@ from slimopt.registry import (
     ROW_SPLIT_PROJ_TYPE,
     available_optimizers,
     build_optimizer,
+    parse_option,
     resolve_name,
 )
 
@@ -93,23 +94,11 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
             raise ValueError(f"optim_args item {item.strip()!r} is not key=value")
         if key not in OPTION_TYPES:
             raise ValueError(f"unknown optim_args key {key!r}; valid: {', '.join(OPTION_TYPES)}")
-        options[key] = _typed(key, value)
+        try:
+            options[key] = parse_option(key, value)
+        except ValueError as error:
+            raise ValueError(f"optim_args {error}") from None
     return options
-
-
-def _typed(key: str, value: str) -> Any:
-    kind = OPTION_TYPES[key]
-    if kind is bool:
-        lowered = value.lower()
-        if lowered not in ("true", "false", "1", "0"):
-            raise ValueError(f"optim_args {key}={value!r}: expected true or false")
-        return lowered in ("true", "1")
-    if key == "block_size" and value.lower() == "none":
-        return None
-    try:
-        return kind(value)
-    except ValueError:
-        raise ValueError(f"optim_args {key}={value!r}: expected {kind.__name__}") from None
 
 
 def create_optimizer(
