@@ -31,6 +31,7 @@ from slimopt.distributed import STRATEGIES
 from slimopt.layerwise import REFRESH_FROM
 from slimopt.options import PROJECTION_DEFAULTS, STORAGE_DEFAULTS
 from slimopt.registry import OPTIMIZERS, OPTION_TYPES, available_optimizers, parse_option, resolve_name
+from slimopt.train.config import read_config_file
 from slimopt.train.models import LLAMA_PRESETS
 
 # Flags that configure the optimizer rather than the run, with their types (``stagger``, a
@@ -343,33 +344,11 @@ def run_memory(args: argparse.Namespace) -> int:
     return 1 if plan.fits is False else 0
 
 
-def _read_config(path: str) -> dict[str, Any]:
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"config file {path!r} does not exist")
-    text = file.read_text()
-    if file.suffix == ".toml":
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10
-            import tomli as tomllib
-        values = tomllib.loads(text)
-    elif file.suffix in (".yaml", ".yml"):
-        import yaml
-
-        values = yaml.safe_load(text) or {}
-    else:
-        raise ValueError(f"config file {path!r} must end in .toml, .yaml or .yml")
-    if not isinstance(values, dict):
-        raise ValueError(f"config file {path!r} must hold a mapping of option names to values")
-    return {key.replace("-", "_"): value for key, value in values.items()}
-
-
 def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
     """Preset, then config file, then flags given on the command line (later ones win)."""
     options: dict[str, Any] = dict(PRESETS[args.preset]) if getattr(args, "preset", None) else {}
     if getattr(args, "config", None):
-        options |= _read_config(args.config)
+        options |= read_config_file(args.config)
     options |= {
         k: v for k, v in vars(args).items() if v is not None and k not in ("command", "config", "preset")
     }

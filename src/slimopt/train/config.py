@@ -133,3 +133,28 @@ def saved_config(config: TrainConfig) -> dict[str, Any]:
     elif data != "shakespeare" and not data.startswith("hf:") and Path(data).exists():
         values["data"] = str(Path(data).resolve())
     return values
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The options of a TOML or YAML config file (``slimopt train --config``), dashes in their
+    names read as underscores. Raises ``ValueError`` for a missing file, another suffix, or
+    contents that are not a mapping."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"config file {path!r} does not exist")
+    text = file.read_text()
+    if file.suffix == ".toml":
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib
+        values = tomllib.loads(text)
+    elif file.suffix in (".yaml", ".yml"):
+        import yaml
+
+        values = yaml.safe_load(text) or {}
+    else:
+        raise ValueError(f"config file {path!r} must end in .toml, .yaml or .yml")
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path!r} must hold a mapping of option names to values")
+    return {key.replace("-", "_"): value for key, value in values.items()}
