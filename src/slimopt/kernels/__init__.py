@@ -21,124 +21,65 @@ elsewhere. Not covered (``slimopt.options.fused_unsupported`` says why): TACO's 
 parameters, tensors with more than two dimensions under ternary states or Adafactor (their
 factored statistics are over the last two). The steps take tensors, storage descriptors
 (``formats.Storage``) and scalars; which step a rule takes, and its scalars, are decided in
-``slimopt.core.fused``.
+``slimopt.core.fused``. ``policy`` says when the fused step is taken (auto mode, compilers),
+``compiled`` how the steps are compiled.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib.util
-import os
-import shutil
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from slimopt.kernels import formats
+from slimopt.kernels.compiled import compile_settings, compiled, mark_dynamic
 from slimopt.kernels.formats import Moment, Storage, scalars, storage_of
+from slimopt.kernels.policy import (
+    FUSED_CHOICES,
+    auto_available,
+    auto_failure,
+    compile_failure,
+    compile_failures,
+    compiler_error,
+    give_up_auto,
+    resume_auto,
+    triton_installed,
+)
 
 __all__ = [
     "FUSED_CHOICES",
+    "TRITON_DEVICE_TYPES",
     "Moment",
     "Storage",
     "adafactor_step",
     "adamw_step",
     "adamw_steps",
+    "auto_available",
+    "auto_failure",
+    "compile_failures",
     "compile_settings",
+    "compiler_error",
+    "give_up_auto",
     "hyperparameters",
+    "resume_auto",
     "scalars",
     "storage_of",
+    "triton_step_of",
 ]
 
-# What ``fused=`` accepts: None chooses the fused path where it exists and runs on CUDA.
-FUSED_CHOICES = (None, True, False)
-# Sizes of elementwise moments are marked dynamic (one compiled step serves every size);
-# everything else, block sizes and code widths included, stays a constant of the compiled loops:
-# a block reduction of symbolic length is several times slower. One compiled step per storage
-# pair and weight dtype, and for moments scaled by rows and columns one per matrix shape, a
-# handful to a few dozen per model (a few hundred in one test session): more than dynamo's
-# default of 8 variants per function, past which it would run the step eagerly.
-COMPILE_SETTINGS = {
-    "recompile_limit": 256,
-    "automatic_dynamic_shapes": False,
-    "assume_static_by_default": True,
-}
-# Inductor's options for the compiled steps. Every table index in them is in range by
-# construction (an 8-bit code into a map of 256 values, a 4-bit one into 16, a 17-bit bucket
-# into a table of 2**17 entries), so the bounds check Inductor puts before each lookup only
-# costs time (measured: benchmarks/RESULTS.md, "State storage").
-INDUCTOR_OPTIONS = {"assert_indirect_indexing": False}
+
+def __getattr__(name: str) -> Any:
+    # ``CompileFailure``: looked up on use (``policy.compile_failure``).
+    if name == "CompileFailure":
+        return compile_failure()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # Devices whose fused step for elementwise storage is the hand-written Triton kernel
 # (``triton_adamw``); the tests add "cpu" to run it in Triton's interpreter.
 TRITON_DEVICE_TYPES = ("cuda",)
-
-
-# Why auto mode gave up the fused step in this process (a compile failure); empty while it has not.
-_auto_failure: list[str] = []
-
-
-def __getattr__(name: str) -> Any:
-    # ``CompileFailure``: what torch.compile raises when a backend (Inductor's C++ or Triton
-    # code) fails to build. Looked up on use: importing torch._dynamo costs over a second.
-    if name == "CompileFailure":
-        import torch._dynamo.exc
-
-        return torch._dynamo.exc.BackendCompilerFailed
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def compile_failures() -> tuple[type[Exception], ...]:
-    """What a fused step raises when its code fails to build: ``CompileFailure``, and Triton's
-    compilation error for the hand-written kernel where Triton is installed."""
-    failures: tuple[type[Exception], ...] = (__getattr__("CompileFailure"),)
-    if _triton_installed():
-        from triton.compiler.errors import CompilationError
-
-        failures += (CompilationError,)
-    return failures
-
-
-def auto_available(device_type: str) -> bool:
-    """Whether ``fused=None`` takes the fused step on ``device_type``: on CUDA, with Triton, as
-    long as no fused step has failed to compile in this process."""
-    return device_type == "cuda" and not _auto_failure and compiler_error(device_type) is None
-
-
-def auto_failure() -> str | None:
-    """Why auto mode gave up the fused step in this process, or None."""
-    return _auto_failure[0] if _auto_failure else None
-
-
-def give_up_auto(reason: str) -> None:
-    """Stop taking the fused step in auto mode for the rest of the process (after ``reason``)."""
-    _auto_failure.append(reason)
-
-
-def resume_auto() -> None:
-    """Take the fused step in auto mode again after ``give_up_auto`` (a process that fixed its
-    compiler; tests that give it up on purpose)."""
-    _auto_failure.clear()
-
-
-def compiler_error(device_type: str) -> str | None:
-    """Why ``torch.compile`` cannot build the fused step for ``device_type`` here, or None: it
-    needs a C++ compiler for the CPU and Triton for CUDA."""
-    if not torch._dynamo.is_dynamo_supported():
-        return "torch.compile is not supported on this Python"
-    if device_type == "cuda" and not _triton_installed():
-        return "torch.compile needs Triton for CUDA, and it is not installed"
-    if device_type == "cpu" and not any(
-        shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++") if c
-    ):
-        return "torch.compile needs a C++ compiler for the CPU (g++ or clang++), and none is on PATH"
-    return None
 
 
 # Both moments' stored parts by name, their storages, and their lookup tables (empty but for blocks).
@@ -179,13 +120,13 @@ def adamw_step(
         # Elementwise storage: the step runs on flat vectors of dynamic length, one compiled
         # step for every shape (matrix index arithmetic of symbolic width is slower).
         grad, weights = grad.view(-1), None if weights is None else weights.view(-1)
-        _mark_dynamic(grad, weights, *(t for parts in moments for t in parts.values()))
+        mark_dynamic(grad, weights, *(t for parts in moments for t in parts.values()))
     # Moments scaled by rows and columns compile once per matrix shape: with sizes as constants
     # the element → byte, digit and block arithmetic of ternary codes becomes multiplications
     # by constants instead of divisions by symbols, and Inductor drops the bounds checks that
     # kept the loops scalar (measured: benchmarks/RESULTS.md, "State storage").
     with compile_settings():
-        step = _compiled(_adamw_step)
+        step = compiled(_adamw_step)
         direction, deferred = step(grad, moments, storages, tables, hyper, weights, seeds, keep)
         _encode_in_phases(deferred, keep)
     return None if direction is None else direction.view(matrix)
@@ -208,13 +149,13 @@ def adamw_steps(
     one compiled call, where each call pays dynamo's guards and wrappers (benchmarks/RESULTS.md,
     "State storage"): grouped, a model's norms and biases pay them once. Shapes are constants
     there: one compilation per set of tensors, which a model keeps from step to step."""
-    if hypers.device.type in TRITON_DEVICE_TYPES and _triton_installed():
+    if hypers.device.type in TRITON_DEVICE_TYPES and triton_installed():
         from slimopt.kernels import triton_multi_tensor
 
         triton_multi_tensor.adamw_steps(grads, moments, hypers, weights, keeps)
         return
     with compile_settings():
-        _compiled(_adamw_steps)(grads, moments, hypers, weights, keeps)
+        compiled(_adamw_steps)(grads, moments, hypers, weights, keeps)
 
 
 def adafactor_step(
@@ -238,9 +179,9 @@ def adafactor_step(
     if not any(storage.kind in formats.MATRIX_KINDS for _, storage, _ in moments.values()):
         # As for AdamW: one compiled step for every shape, but where ternary codes are indexed.
         parts = (t for stored, _, _ in moments.values() for t in stored.values())
-        _mark_dynamic(grad, weights, *(factored or ()), *parts)
+        mark_dynamic(grad, weights, *(factored or ()), *parts)
     with compile_settings():
-        step = _compiled(adafactor.adafactor_step)
+        step = compiled(adafactor.adafactor_step)
         direction, deferred = step(grad, moments, factored, hyper, scale_parameter, weights, seeds, keep)
         _encode_in_phases(deferred, keep)
     return direction
@@ -250,9 +191,9 @@ def _encode_in_phases(deferred: tuple[formats.Deferred, ...], keep: Tensor | Non
     """Encode each ternary moment a compiled step left to its caller (its new value, stream,
     stored parts and storage), one compiled phase after another (``formats``)."""
     for value, seed, parts, storage in deferred:
-        _compiled(formats.ternary_scales)(value, parts, storage, keep)
-        scales = _compiled(formats.ternary_exponents)(value, parts, storage, keep)
-        _compiled(formats.ternary_codes)(value, scales, parts, storage, seed, keep)
+        compiled(formats.ternary_scales)(value, parts, storage, keep)
+        scales = compiled(formats.ternary_exponents)(value, parts, storage, keep)
+        compiled(formats.ternary_codes)(value, scales, parts, storage, seed, keep)
 
 
 def hyperparameters(
@@ -283,17 +224,12 @@ def hyperparameters(
     return scalars(values, torch.device(device))
 
 
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def triton_step_of(storages: Storages) -> Callable[..., Tensor | None] | None:
     """The hand-written Triton step (``adamw_step``'s arguments) that covers moments stored as
     ``storages``, or None: ``triton_adamw``'s for elementwise formats (blocks of one even size
     where both are blockwise), ``triton_ternary``'s for a ternary first moment with row and
     column scales beside a factored second moment."""
-    if not _triton_installed():
+    if not triton_installed():
         return None
     if any(storage.kind in formats.MATRIX_KINDS for storage in storages):
         from slimopt.kernels import triton_ternary
@@ -305,53 +241,6 @@ def triton_step_of(storages: Storages) -> Callable[..., Tensor | None] | None:
     from slimopt.kernels import triton_adamw
 
     return triton_adamw.adamw_step
-
-
-def _compiled(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` compiled (to be called with ``COMPILE_SETTINGS`` in effect).
-
-    Under a mode that watches every operation (slimopt.memory.LiveBytes, counting a step's
-    memory) dynamo cannot compile, and it would never try the function again: it runs as it
-    is, compiled the next time no mode watches."""
-    if is_in_torch_dispatch_mode(include_infra_modes=False):
-        return function
-    return _compile(function)
-
-
-@functools.cache
-def _compile(function: Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(function, options=INDUCTOR_OPTIONS)
-
-
-@contextlib.contextmanager
-def compile_settings() -> Iterator[None]:
-    """``COMPILE_SETTINGS`` in effect, for the compiled steps called inside. Entering them costs
-    about as much as a guard check (entered per compiled call, a noticeable part of a step), so
-    ``step()`` enters them once for all its tensors and the steps inside skip it."""
-    if getattr(_settings, "entered", False):
-        yield
-        return
-    with torch._dynamo.config.patch(**COMPILE_SETTINGS):
-        _settings.entered = True
-        try:
-            yield
-        finally:
-            _settings.entered = False
-
-
-# Whether this thread is inside ``compile_settings``.
-_settings = threading.local()
-
-
-def _mark_dynamic(*tensors: Tensor | None) -> None:
-    """Mark every size of ``tensors`` dynamic: one compiled function serves every shape.
-    (Stored moments keep their marks from step to step: marking again would cost as much.)"""
-    for tensor in tensors:
-        if tensor is not None:
-            marked = getattr(tensor, "_dynamo_dynamic_indices", ())
-            for dim, size in enumerate(tensor.shape):
-                if size > 1 and dim not in marked:
-                    torch._dynamo.mark_dynamic(tensor, dim)
 
 
 def _adamw_steps(
