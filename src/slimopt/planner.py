@@ -273,7 +273,7 @@ def _run(
 
     def categorize() -> dict[str, int]:
         """Bytes of each term among the storages live now."""
-        return _terms(tracker, _known_tensors(model, optimizer, handle))
+        return _terms(tracker, _known_tensors(params, weights, optimizer, handle))
 
     position = {"step": 1}
     snapshot: dict[str, Any] = {}
@@ -347,13 +347,14 @@ def _forward_backward(
     loss.backward()
 
 
-def _known_tensors(model: nn.Module, optimizer: Any, handle: Any) -> dict[str, list[Tensor]]:
-    """The tensors of each known term: weights (parameters and buffers), gradients, states,
-    bases and layer-wise accumulation buffers."""
+def _known_tensors(
+    params: list[Tensor], weights: list[Tensor], optimizer: Any, handle: Any
+) -> dict[str, list[Tensor]]:
+    """The tensors of each known term: ``weights`` (parameters and buffers), the gradients of
+    ``params``, states, bases and layer-wise accumulation buffers."""
     states = [(key, v) for s in optimizer.state.values() for key, v in s.items() if isinstance(v, Tensor)]
-    params = list(model.parameters())
     return {
-        "weights": params + list(model.buffers()),
+        "weights": weights,
         "gradients": [p.grad for p in params if p.grad is not None],
         "optimizer_states": [v for key, v in states if not is_basis_key(key)],
         "projection_bases": [v for key, v in states if is_basis_key(key)],

@@ -34,7 +34,7 @@ def fused_update(update: Update) -> Outcome:
     plan, state, group = update.plan, update.state, update.plan.group
     step = state["step"]
     with matrix_of(update.unit) as weights:
-        moments = stored_moments(update, update.grad.device)
+        moments = stored_moments(update)
         matrix = as_matrix(update.grad)
         if update.basis is None:  # moments and weights in one fused step
             fused_step(update, matrix, moments, weights)
@@ -48,11 +48,12 @@ def fused_update(update: Update) -> Outcome:
     return Outcome.TAKEN if update.keep is None else Outcome.MASKED
 
 
-def stored_moments(update: Update, device: torch.device) -> dict[str, kernels.Moment]:
+def stored_moments(update: Update) -> dict[str, kernels.Moment]:
     """Each moment of the rule that the unit's state holds, in the rule's order, as the fused
-    step takes it: its stored parts, their ``Storage`` and its lookup tables (blocks only)."""
+    step takes it, on the gradient's device: its stored parts, their ``Storage`` and its lookup
+    tables (blocks only)."""
     return {
-        key: fused_moment(codec, stored_parts(update.state, key, codec.parts), device)
+        key: fused_moment(codec, stored_parts(update.state, key, codec.parts), update.grad.device)
         for key, codec in update.plan.moment_codecs(update.layout).items()
         if state_key(key, codec.parts[0]) in update.state
     }
@@ -146,7 +147,7 @@ def update_together(batch: list[Update]) -> list[Outcome]:
         begin(update, own_dtype=True)
         own = values(update.unit)
         hypers.append(adamw_hyperparameters(update, own, update.grad.device))
-        stored = stored_moments(update, update.grad.device)
+        stored = stored_moments(update)
         moments.append(tuple(parts for parts, _, _ in stored.values()))
         grads.append(update.grad)
         weights.append(own)

@@ -340,7 +340,11 @@ class GaLoreOptimizer(Optimizer):
         its refresh is due (None: no basis could be computed yet)."""
         plan, state = self.plan_of(param, group), self.state_of(param)
         units.start(plan, state, type(self).__name__)
-        if refresh_due(state, group):
+        return self._refreshed(plan, state, grad)
+
+    def _refreshed(self, plan: Plan, state: MutableMapping[str, Any], grad: Tensor) -> Basis | None:
+        """``refreshed_basis`` of a unit whose plan and started state are at hand."""
+        if refresh_due(state, plan.group):
             with self._probe("refresh"):
                 refresh(plan, state, as_matrix(grad).float(), self._refresh_group)
         return stored_basis.basis(plan, state)
@@ -377,7 +381,7 @@ class GaLoreOptimizer(Optimizer):
         if not update.plan.projected:
             update.grad = real(update.grad)
             return True
-        basis = self.refreshed_basis(update.unit, update.plan.group, update.grad)
+        basis = self._refreshed(update.plan, update.state, update.grad)
         if basis is None:
             # Not a non-finite gradient (an all-zero one, an expert no token reached): warned
             # about, not counted in nonfinite_skips.
