@@ -345,8 +345,9 @@ class GaLoreOptimizer(Optimizer):
     def _refreshed(self, plan: Plan, state: MutableMapping[str, Any], grad: Tensor) -> Basis | None:
         """``refreshed_basis`` of a unit whose plan and started state are at hand."""
         if refresh_due(state, plan.group):
+            matrix = as_matrix(grad).float()  # the gradient's fp32 copy is not the refresh's workspace
             with self._probe("refresh"):
-                refresh(plan, state, as_matrix(grad).float(), self._refresh_group)
+                refresh(plan, state, matrix, self._refresh_group)
         return stored_basis.basis(plan, state)
 
     def apply_update(
