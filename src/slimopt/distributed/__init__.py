@@ -21,6 +21,7 @@ random draws and staggers its refreshes is its place in the whole model, stamped
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -76,3 +77,11 @@ def zero_redundancy_optimizer(model: nn.Module, name: str, *, lr: float | None, 
     cls = OPTIMIZERS[resolve_name(name)].cls
     hyper = {key: value for key, value in whole.defaults.items() if key != "differentiable"}
     return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **hyper)
+
+
+def __getattr__(name: str) -> Any:
+    """``slimopt.distributed.checkpoint`` after nothing but ``import slimopt``, as the manual writes
+    it, without importing ``torch.distributed.checkpoint`` for every user of the optimizers."""
+    if name == "checkpoint":
+        return importlib.import_module("slimopt.distributed.checkpoint")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
