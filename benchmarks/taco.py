@@ -44,7 +44,7 @@ from slimopt.rules import TACORule
 TASKS = ("full", "genre", "llama")
 ADAMW_LRS = (1e-3, 3e-3)
 TACO_LRS = (1e-3, 3e-3, 1e-2)
-# The fallback's learning rate per task: AdamW's best there (benchmarks/RESULTS.md).
+# The fallback's learning rate per task: AdamW's best there (docs/results/taco.md).
 FALLBACK_LR = {"full": 1e-3, "genre": 1e-3, "llama": 3e-3}
 TARGETS = ["self_attn", "mlp"]
 PLANNED_MODELS = {"OPT-13B": "benchmarks/configs/opt-13b", "LLaMA-7B": "llama_7b"}

@@ -9,6 +9,10 @@ test that loads them and continues. Regenerate only when a change of numbers is 
 say why in the commit:
 
     .venv/bin/python -m tests.golden_runs
+
+A newly documented import path joins the snapshot without touching the runs:
+
+    .venv/bin/python -m tests.golden_runs --paths
 """
 
 from __future__ import annotations
@@ -33,7 +37,13 @@ from slimopt.distributed import checkpoint as dcp_checkpoint
 from tests.configurations import CONFIGURATIONS, Configuration, loss_of, make_net
 
 GOLDEN = Path(__file__).parent / "golden"
-README = Path(__file__).parents[1] / "README.md"
+ROOT = Path(__file__).parents[1]
+# The pages that document import paths: the README and the manual, not the results pages (which
+# quote messages of code as it was).
+DOCUMENTS = [
+    ROOT / "README.md",
+    *sorted(p for p in (ROOT / "docs").rglob("*.md") if "results" not in p.relative_to(ROOT / "docs").parts),
+]
 MANIFEST = GOLDEN / "manifest.json"
 FIRST_STEPS, MORE_STEPS = 3, 2
 
@@ -151,8 +161,8 @@ def _slug(label: str) -> str:
 
 def documented_paths() -> set[str]:
     """Every ``from slimopt… import …`` name and every dotted ``slimopt.…`` path in the README's
-    text, as module paths and module.attribute paths."""
-    text = README.read_text()
+    and the manual's text, as module paths and module.attribute paths."""
+    text = "\n".join(page.read_text() for page in DOCUMENTS)
     paths = set()
     for module, names in re.findall(r"from (slimopt[\w.]*) import (\([\w,\s]+\)|[\w, ]+)", text):
         paths |= {f"{module}:{name}" for name in re.findall(r"\w+", names)}
@@ -189,9 +199,11 @@ def generate() -> None:
     """Run every golden configuration at the code as it is and write ``tests/golden``."""
     shutil.rmtree(GOLDEN, ignore_errors=True)
     GOLDEN.mkdir()
+    paths = sorted(documented_paths())
     manifest: dict[str, Any] = {
         "torch": torch.__version__,
-        "import_paths": sorted(documented_paths()),
+        "import_paths": paths,
+        "attribute_paths": attribute_paths(paths),
         "runs": {},
     }
     with one_thread():
@@ -209,5 +221,15 @@ def generate() -> None:
     MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
+def add_documented_paths() -> None:
+    """Add the import paths documented since the snapshot to it (and, of them, those that
+    resolve as attributes after ``import slimopt``); the runs stay as they are."""
+    manifest = json.loads(MANIFEST.read_text())
+    new = sorted(documented_paths() - set(manifest["import_paths"]))
+    manifest["import_paths"] = sorted({*manifest["import_paths"], *new})
+    manifest["attribute_paths"] = sorted({*manifest["attribute_paths"], *attribute_paths(new)})
+    MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
 if __name__ == "__main__":
-    generate()
+    add_documented_paths() if sys.argv[1:] == ["--paths"] else generate()

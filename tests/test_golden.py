@@ -1,7 +1,8 @@
 """The safety net under refactoring: every golden configuration (``tests/golden_runs.py``)
 trains to state dicts and parameters bit-identical to the ones the code produced when the files
 were written, and the checkpoints written then (``torch.save`` and DCP) load and continue
-identically. Plus a snapshot of the public names and of every import path the README documents.
+identically. Plus a snapshot of the public names and of every import path the README and the
+manual (``docs/``) document.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def test_memory_command_reports_the_busiest_process(capsys) -> None:
 @pytest.mark.parametrize(
     ("strategy", "name", "tolerance"),
     # DDP and ZeRO-1: the plan is exact. FSDP2: the plan is of a steady step; its first step
-    # (lazy initialisation of FSDP2's storage) measured up to 10% higher (benchmarks/RESULTS.md).
+    # (lazy initialisation of FSDP2's storage) measured up to 10% higher (docs/results/distributed.md).
     [("ddp", "adamw", 0.01), ("zero1", "galore_adamw8bit", 0.01), ("fsdp2", "adamw", 0.05)],
 )
 def test_plan_matches_measured_processes(strategy, name, tolerance) -> None:

@@ -156,8 +156,8 @@ def _optimizer_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(
                 f"--{name}",
                 action=argparse.BooleanOptionalAction,
-                help="the fused step (slimopt.kernels; compiled, 2–3× faster on the CPU after its first "
-                "step compiles); --no-fused: the reference path; default: fused on CUDA only",
+                help="the fused step (slimopt.kernels; compiled at the first step; times in "
+                "docs/results/storage.md); --no-fused: the reference path; default: fused on CUDA only",
             )
         else:
             parser.add_argument(

@@ -22,8 +22,8 @@ from torch import Tensor
 from slimopt.collectives import all_reduce
 
 # Devices where the fused path leaves its decisions on the device. On the CPU reading a flag
-# waits for nothing, while masking every write with it costs (benchmarks/RESULTS.md, "State
-# storage": the masked and the read-first int8 step).
+# waits for nothing, while masking every write with it costs (docs/results/storage.md:
+# the masked and the read-first int8 step).
 # The tests add "cpu" to run the device path.
 DECIDED_ON_DEVICE = ("cuda",)
 
@@ -73,8 +73,7 @@ def _finite(tensors: list[Tensor]) -> Tensor:
 
     On CUDA the tensors' infinity norms, one multi-tensor launch. Elsewhere each tensor's
     minimum and maximum: on the CPU the multi-tensor norm of ord=inf falls back to a slow
-    per-tensor loop, several times slower than ``aminmax`` (benchmarks/RESULTS.md, "State
-    storage")."""
+    per-tensor loop, several times slower than ``aminmax`` (docs/results/storage.md)."""
     if tensors[0].device.type == "cuda":
         return torch.stack(torch._foreach_norm(tensors, ord=math.inf)).isfinite()
     extremes = torch.stack([value for tensor in tensors for value in torch.aminmax(tensor)])

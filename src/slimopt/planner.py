@@ -178,7 +178,7 @@ def plan_memory(
     ``optimizer_options`` go to ``build_optimizer`` (``states``, ``update_proj_gap``, …). On a
     real ``device`` the steps run for real and the plan is a measurement (see ``measure_memory``).
     ``progress`` shows a bar of the micro-batches on stderr (a 7B plan takes seconds:
-    benchmarks/RESULTS.md, "``slimopt memory`` on LLaMA-7B: wall time").
+    docs/results/memory.md).
     Raises ``ValueError`` naming a bad model, optimizer, size, dtype or rank.
     """
     setting = _setting({k: v for k, v in locals().items() if k not in ("device", "progress")})

@@ -124,7 +124,7 @@ def adamw_step(
     # Moments scaled by rows and columns compile once per matrix shape: with sizes as constants
     # the element → byte, digit and block arithmetic of ternary codes becomes multiplications
     # by constants instead of divisions by symbols, and Inductor drops the bounds checks that
-    # kept the loops scalar (measured: benchmarks/RESULTS.md, "State storage").
+    # kept the loops scalar (measured: docs/results/storage.md).
     with compile_settings():
         step = compiled(_adamw_step)
         direction, deferred = step(grad, moments, storages, tables, hyper, weights, seeds, keep)
@@ -146,9 +146,9 @@ def adamw_steps(
 
     On a Triton device, one launch of the multi-tensor kernel (``triton_multi_tensor``), where a
     launch per tensor costs more than the update of a norm's few thousand elements. Elsewhere
-    one compiled call, where each call pays dynamo's guards and wrappers (benchmarks/RESULTS.md,
-    "State storage"): grouped, a model's norms and biases pay them once. Shapes are constants
-    there: one compilation per set of tensors, which a model keeps from step to step."""
+    one compiled call, where each call pays dynamo's guards and wrappers
+    (docs/results/storage.md): grouped, a model's norms and biases pay them once. Shapes are
+    constants there: one compilation per set of tensors, which a model keeps from step to step."""
     if hypers.device.type in TRITON_DEVICE_TYPES and triton_installed():
         from slimopt.kernels import triton_multi_tensor
 

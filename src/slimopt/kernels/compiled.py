@@ -27,7 +27,7 @@ COMPILE_SETTINGS = {
 # Inductor's options for the compiled steps. Every table index in them is in range by
 # construction (an 8-bit code into a map of 256 values, a 4-bit one into 16, a 17-bit bucket
 # into a table of 2**17 entries), so the bounds check Inductor puts before each lookup only
-# costs time (measured: benchmarks/RESULTS.md, "State storage").
+# costs time (measured: docs/results/storage.md).
 INDUCTOR_OPTIONS = {"assert_indirect_indexing": False}
 
 

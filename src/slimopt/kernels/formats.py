@@ -163,7 +163,7 @@ def _encode_blockwise(
 # Ternary encoding in three phases, each one pass over the new moment that ends in a reduction of
 # its own shape: rows and columns, blocks, bytes of five digits. Compiled as one function
 # Inductor fuses the phases into loops that recompute across them; compiled one by one they are
-# four times faster (benchmarks/RESULTS.md, "State storage"). Each phase divides the moment by the scales the
+# four times faster (docs/results/storage.md). Each phase divides the moment by the scales the
 # phases before it stored, as the codec does, rather than reading a divided copy: on the grid the
 # scales are vectors along a row, so this costs no more than reading a copy, and an update
 # allocates no matrix-sized temporaries beyond the moment itself (fresh pages from the
