@@ -43,7 +43,7 @@ OPTIMIZER_FLAGS: dict[str, type] = {
     "fused": bool,
 }
 
-# The README's main command: three optimizers on the built-in corpus in minutes on two CPU cores.
+# The README's main command (the demo): three optimizers on the built-in corpus in minutes on two CPU cores.
 PRESETS: dict[str, dict[str, Any]] = {
     "demo": {
         "optimizers": "adamw,galore_adamw,galore_adamw8bit,galore_adamw_ternary",

@@ -15,30 +15,28 @@ kernel runs on CPU tensors, which is how it is tested without a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from slimopt.codecs.blockwise import KEY_BITS, KEY_MASK, LOOKUP_MASK, LOOKUP_SHIFT, THRESHOLD_MASK
-from slimopt.codecs.draws import MULTIPLIERS
 from slimopt.codecs.plain import FLOAT32_MAX
 from slimopt.kernels.formats import Storage
+from slimopt.kernels.triton_parts import (
+    adamw_update,
+    and_writes,
+    parameter_target,
+    round_to_bf16,
+    write_target,
+)
 
 # Elements per program when no moment is stored in blocks.
 PLAIN_BLOCK = 1024
 # Storage kinds as the kernel's constants.
 FP32, BF16, BLOCKS8, BLOCKS4 = range(4)
-# What the kernel writes to the parameter: nothing (the direction is returned), fp32, bf16 to
-# nearest, bf16 stochastically.
-DIRECTION, WEIGHTS_FP32, WEIGHTS_BF16, WEIGHTS_BF16_STOCHASTIC = range(4)
 
 # The same numbers as the kernels' constants (Triton reads only tl.constexpr globals).
 FP32_, BF16_, BLOCKS8_, BLOCKS4_ = (tl.constexpr(kind) for kind in (FP32, BF16, BLOCKS8, BLOCKS4))
-DIRECTION_, WEIGHTS_FP32_, WEIGHTS_BF16_ = (tl.constexpr(m) for m in (DIRECTION, WEIGHTS_FP32, WEIGHTS_BF16))
-MULTIPLIERS_0, MULTIPLIERS_1 = (tl.constexpr(multiplier) for multiplier in MULTIPLIERS)
 LOOKUP_SHIFT_ = tl.constexpr(LOOKUP_SHIFT)
 LOOKUP_MASK_ = tl.constexpr(LOOKUP_MASK)
 KEY_MASK_ = tl.constexpr(KEY_MASK)
@@ -93,52 +91,10 @@ def adamw_step(
     return direction
 
 
-def parameter_target(
-    weights: Tensor | None, direction: Tensor | None, streams: Iterator[Tensor], hyper: Tensor
-) -> tuple[Tensor | None, int, Tensor]:
-    """What a kernel writes and how (its ``MODE``): the ``weights``, fp32 or bf16 (rounded
-    stochastically with the next of ``streams`` where one is left, else to nearest), or else the
-    ``direction``; and the weights' stream (``hyper`` stands in where there is none)."""
-    if weights is None:
-        return direction, DIRECTION, hyper
-    if weights.dtype == torch.float32:
-        return weights, WEIGHTS_FP32, hyper
-    stream = next(streams, None)
-    return (weights, WEIGHTS_BF16, hyper) if stream is None else (weights, WEIGHTS_BF16_STOCHASTIC, stream)
-
-
 def _kind(storage: Storage) -> int:
     if storage.kind == "blockwise":
         return BLOCKS4 if storage.bits == 4 else BLOCKS8
     return BF16 if storage.kind == "bf16" else FP32
-
-
-@triton.jit
-def _random_words(seed, index):
-    """``slimopt.codecs.draws.random_words``: the int32 hash of draw ``index`` of stream ``seed``."""
-    words = index ^ seed
-    words ^= (words >> 16) & 0xFFFF
-    words *= MULTIPLIERS_0
-    words ^= (words >> 15) & 0x1FFFF
-    words *= MULTIPLIERS_1
-    return words ^ ((words >> 15) & 0x1FFFF)
-
-
-@triton.jit
-def _round_to_bf16(value, seed, index):
-    """``slimopt.codecs.plain.round_to_bf16_with_stream`` for the elements at ``index``."""
-    noise = (_random_words(seed, index) >> 16) & 0xFFFF
-    bits = (value.to(tl.int32, bitcast=True) + noise) & -65536
-    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
-
-
-@triton.jit
-def _round_to_nearest_bf16(value):
-    """``value`` to the nearest bf16, ties to even, in integer arithmetic: conversions differ
-    between Triton's backends (its interpreter truncates)."""
-    bits = value.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
 @triton.jit
@@ -188,16 +144,16 @@ def _encode(
 ):
     """Store both halves of a program's block of a moment (padding elements arrive as 0), if
     ``writes``."""
-    mask_even = _and(mask_even, writes)
-    mask_odd = _and(mask_odd, writes)
-    whole = _and(pair >= 0, writes)
+    mask_even = and_writes(mask_even, writes)
+    mask_odd = and_writes(mask_odd, writes)
+    whole = and_writes(pair >= 0, writes)
     if KIND == FP32_:
         tl.store(values + index_even, even, mask=mask_even)
         tl.store(values + index_odd, odd, mask=mask_odd)
     elif KIND == BF16_:
         seed_value = tl.load(seed)
-        tl.store(values + index_even, _round_to_bf16(even, seed_value, index_even), mask=mask_even)
-        tl.store(values + index_odd, _round_to_bf16(odd, seed_value, index_odd), mask=mask_odd)
+        tl.store(values + index_even, round_to_bf16(even, seed_value, index_even), mask=mask_even)
+        tl.store(values + index_odd, round_to_bf16(odd, seed_value, index_odd), mask=mask_odd)
     else:
         scale = tl.minimum(tl.maximum(tl.max(tl.abs(even), 0), tl.max(tl.abs(odd), 0)), FLOAT32_MAX_)
         divisor = tl.where(scale > 0, scale, 1.0)
@@ -244,13 +200,13 @@ def _adamw_kernel(
     # A skipped step (a non-finite gradient, decided on the device) stores nothing but a zero
     # direction: every store below is masked by it.
     writes = tl.load(keep).to(tl.int32) if MASKED else program * 0 + 1
-    m_even, v_even, d_even = _update(
+    m_even, v_even, d_even = adamw_update(
         tl.load(grad + index_even, mask=mask_even, other=0.0),
         _decode(m_values, m_absmax, m_map, index_even, pair, mask_even, program, M_KIND, False),
         _decode(v_values, v_absmax, v_map, index_even, pair, mask_even, program, V_KIND, False),
         mask_even, hyper,
     )  # fmt: skip
-    m_odd, v_odd, d_odd = _update(
+    m_odd, v_odd, d_odd = adamw_update(
         tl.load(grad + index_odd, mask=mask_odd, other=0.0),
         _decode(m_values, m_absmax, m_map, index_odd, pair, mask_odd, program, M_KIND, True),
         _decode(v_values, v_absmax, v_map, index_odd, pair, mask_odd, program, V_KIND, True),
@@ -264,48 +220,5 @@ def _adamw_kernel(
         v_even, v_odd, v_values, v_absmax, v_nearest, v_seed,
         index_even, index_odd, pair, mask_even, mask_odd, program, writes, V_KIND,
     )  # fmt: skip
-    _write(target, weight_seed, d_even, index_even, mask_even, hyper, writes, MODE)
-    _write(target, weight_seed, d_odd, index_odd, mask_odd, hyper, writes, MODE)
-
-
-@triton.jit
-def _and(mask, writes):
-    """``mask`` where ``writes`` (0 or 1) is 1. (Triton's interpreter rejects a block mask
-    and-ed with a scalar one.)"""
-    return (mask.to(tl.int32) * writes) != 0
-
-
-@triton.jit
-def _update(g, m, v, real, hyper):
-    """The AdamW rule on one half block: new moments (0 on padding, which the reference encodes
-    from zeros) and the direction, in ``slimopt.kernels``' order of operations."""
-    new1 = tl.load(hyper)
-    beta2 = tl.load(hyper + 1)
-    new2 = tl.load(hyper + 2)
-    eps = tl.load(hyper + 3)
-    correction1 = tl.load(hyper + 4)
-    correction2_sqrt = tl.load(hyper + 5)
-    # torch.lerp's two forms, chosen by the weight as it chooses them.
-    m = tl.where(new1 < 0.5, m + new1 * (g - m), g - (g - m) * (1 - new1))
-    v = v * beta2 + new2 * g * g
-    direction = m / (tl.sqrt(v) / correction2_sqrt + eps) / correction1
-    return tl.where(real, m, 0.0), tl.where(real, v, 0.0), direction
-
-
-@triton.jit
-def _write(target, weight_seed, direction, index, mask, hyper, writes, MODE: tl.constexpr):
-    """The direction (zero unless ``writes`` is 1), or the parameter moved along it (``w·decay +
-    alpha·direction``, if ``writes`` is 1)."""
-    if MODE == DIRECTION_:
-        tl.store(target + index, tl.where(writes != 0, direction, 0.0), mask=mask)
-    else:
-        mask = _and(mask, writes)
-        decay = tl.load(hyper + 6)
-        alpha = tl.load(hyper + 7)
-        updated = tl.load(target + index, mask=mask, other=0.0).to(tl.float32) * decay + alpha * direction
-        if MODE == WEIGHTS_FP32_:
-            tl.store(target + index, updated, mask=mask)
-        elif MODE == WEIGHTS_BF16_:
-            tl.store(target + index, _round_to_nearest_bf16(updated), mask=mask)
-        else:
-            tl.store(target + index, _round_to_bf16(updated, tl.load(weight_seed), index), mask=mask)
+    write_target(target, weight_seed, d_even, index_even, mask_even, hyper, writes, MODE)
+    write_target(target, weight_seed, d_odd, index_odd, mask_odd, hyper, writes, MODE)

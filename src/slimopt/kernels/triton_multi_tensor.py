@@ -19,7 +19,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from slimopt.kernels.triton_adamw import WEIGHTS_BF16, WEIGHTS_FP32, WEIGHTS_FP32_, _and, _update, _write
+from slimopt.kernels.triton_parts import (
+    WEIGHTS_BF16,
+    WEIGHTS_FP32,
+    WEIGHTS_FP32_,
+    adamw_update,
+    and_writes,
+    write_target,
+)
 from slimopt.memory import untracked
 
 # Elements per program: a small tensor (under 4096 elements) takes at most four.
@@ -93,14 +100,14 @@ def _adamw_steps_kernel(table, hypers, GRAD_BF16: tl.constexpr, MODE: tl.constex
     # A skipped step (a non-finite gradient, decided on the device) stores nothing.
     writes = (tl.load(tl.load(row + KEEP_).to(tl.pointer_type(tl.int8))) != 0).to(tl.int32)
     hyper = hypers + tensor * 8
-    m, v, direction = _update(
+    m, v, direction = adamw_update(
         tl.load(grad + index, mask=mask, other=0.0).to(tl.float32),
         tl.load(exp_avg + index, mask=mask, other=0.0),
         tl.load(exp_avg_sq + index, mask=mask, other=0.0),
         mask,
         hyper,
     )
-    stored = _and(mask, writes)
+    stored = and_writes(mask, writes)
     tl.store(exp_avg + index, m, mask=stored)
     tl.store(exp_avg_sq + index, v, mask=stored)
-    _write(target, hyper, direction, index, mask, hyper, writes, MODE)
+    write_target(target, hyper, direction, index, mask, hyper, writes, MODE)

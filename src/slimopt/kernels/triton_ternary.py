@@ -36,7 +36,13 @@ from torch import Tensor
 from slimopt.codecs.plain import FLOAT32_MAX
 from slimopt.codecs.ternary import EXPONENT_STEPS_PER_OCTAVE, TRITS_PER_BYTE, exponent_scale
 from slimopt.kernels.formats import Storage
-from slimopt.kernels.triton_adamw import _and, _random_words, _update, _write, parameter_target
+from slimopt.kernels.triton_parts import (
+    adamw_update,
+    and_writes,
+    parameter_target,
+    random_words,
+    write_target,
+)
 from slimopt.memory import untracked
 
 # Tile sizes: rows of a strip, columns of a tile (one strip's row reductions stay in registers;
@@ -217,14 +223,14 @@ def _update_strips(
         m = sign * tl.load(scales + exponent.to(tl.int32)) * m_rows[:, None]
         m = m * tl.load(m_col + col, mask=real_col, other=0.0)[None, :]
         v = v_rows[:, None] * tl.load(v_col + col, mask=real_col, other=0.0)[None, :]
-        m, v, direction = _update(g, m, v, real, hyper)
-        _write(target, weight_seed, direction, index, real, hyper, writes, MODE)
+        m, v, direction = adamw_update(g, m, v, real, hyper)
+        write_target(target, weight_seed, direction, index, real, hyper, writes, MODE)
         tl.store(value + index, m, mask=real)
         row_max = tl.maximum(row_max, tl.max(tl.abs(_clamped(m)), 1))
         row_sum += tl.sum(v, 1)
         tl.store(column_sums + strip * cols + col, tl.sum(v, 0), mask=real_col)
     # Only this strip reads its rows' scales: they are replaced here.
-    tl.store(m_row + row, row_max, mask=_and(real_row, writes))
+    tl.store(m_row + row, row_max, mask=and_writes(real_row, writes))
     tl.store(row_means + row, tl.minimum(row_sum / cols, ceiling), mask=real_row)
 
 
@@ -270,13 +276,13 @@ def _column_scales(
         col_sum = tl.zeros([COLUMNS], dtype=tl.float32)
         for strip in range(0, strips):
             col_sum += tl.load(column_sums + strip * cols + col, mask=real_col, other=0.0)
-        tl.store(v_col + col, tl.minimum(col_sum / rows, ceiling), mask=_and(real_col, writes))
+        tl.store(v_col + col, tl.minimum(col_sum / rows, ceiling), mask=and_writes(real_col, writes))
         last = (program + 1) * rows_per_strip
         for start in range(program * rows_per_strip, last, ROWS):
             row = start + tl.arange(0, ROWS)
             real_row = (row < rows) & (row < last)
             means = tl.load(row_means + row, mask=real_row, other=0.0)
-            tl.store(v_row + row, means, mask=_and(real_row, writes))
+            tl.store(v_row + row, means, mask=and_writes(real_row, writes))
 
 
 @triton.jit
@@ -313,7 +319,7 @@ def _block_exponents(
     col = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
     real_col = col < cols
     if tl.program_id(0) == 0:
-        tl.store(m_col + col, tl.load(col_scale + col, mask=real_col), mask=_and(real_col, writes))
+        tl.store(m_col + col, tl.load(col_scale + col, mask=real_col), mask=and_writes(real_col, writes))
     block_max = tl.zeros([ROWS, COLUMNS], dtype=tl.float32)
     for offset in range(0, BLOCK):
         row = block * BLOCK + offset
@@ -325,7 +331,9 @@ def _block_exponents(
     exponent = tl.minimum(tl.maximum(exponent, 0.0), 255.0).to(tl.int32)
     exponent = tl.where(tl.load(scales + exponent) < block_max, exponent - 1, exponent)
     real = (block < block_rows)[:, None] & real_col[None, :]
-    tl.store(exponents + block[:, None] * cols + col[None, :], exponent.to(tl.uint8), mask=_and(real, writes))
+    tl.store(
+        exponents + block[:, None] * cols + col[None, :], exponent.to(tl.uint8), mask=and_writes(real, writes)
+    )
 
 
 @triton.jit
@@ -363,9 +371,11 @@ def _digits(
         scale = tl.load(scales + exponent.to(tl.int32))
         scaled = _scaled(value, m_row, col_scale, row, col, rows, cols, real) / scale
         index = row[:, None] * cols + col[None, :]
-        draws = ((_random_words(stream, index) >> 8) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216)
+        draws = ((random_words(stream, index) >> 8) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216)
         sign = tl.where(scaled > 0, 1, tl.where(scaled < 0, -1, 0))
         digit = tl.where(draws < tl.abs(scaled), sign, 0) + 1
         packed = packed * 3 + tl.where(real, digit, 0)
     real = (byte_row < byte_rows)[:, None] & real_col[None, :]
-    tl.store(trits + byte_row[:, None] * cols + col[None, :], packed.to(tl.uint8), mask=_and(real, writes))
+    tl.store(
+        trits + byte_row[:, None] * cols + col[None, :], packed.to(tl.uint8), mask=and_writes(real, writes)
+    )
