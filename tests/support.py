@@ -1,5 +1,6 @@
-"""Helpers the test files share: how far one result is from a reference, and deterministic
-gradients. (The table of configurations generic tests run over is ``configurations.py``.)"""
+"""Helpers the test files share: how far one result is from a reference, deterministic
+gradients and token batches, and the training loop over them. (The table of configurations
+generic tests run over is ``configurations.py``.)"""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch import nn
 
 Tensors = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
@@ -38,3 +40,28 @@ def gradient(step: int, shape: tuple[int, ...]) -> torch.Tensor:
     left = torch.linalg.qr(torch.randn(rows, k, generator=generator)).Q
     right = torch.linalg.qr(torch.randn(cols, k, generator=generator)).Q
     return ((left * spectrum) @ right.T).reshape(shape)
+
+
+def token_batch(step: int, shape: tuple[int, int] = (4, 32), vocab: int = 256) -> torch.Tensor:
+    """Step ``step``'s batch of random tokens, the same in every process and every run."""
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(step))
+
+
+def train_language_model(
+    model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, shape: tuple[int, int] = (4, 32)
+) -> None:
+    """One optimizer step of a causal language ``model`` per step in ``steps``, on
+    ``token_batch(step, shape)`` (so a run split at any step continues as an unsplit one)."""
+    for step in steps:
+        batch = token_batch(step, shape)
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def step_on_gradients(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, steps: range) -> None:
+    """One optimizer step per step in ``steps``, each parameter given ``gradient(step, its shape)``."""
+    for step in steps:
+        for param in params:
+            param.grad = gradient(step, tuple(param.shape))
+        optimizer.step()

@@ -9,7 +9,7 @@ import torch
 
 from slimopt import GaLoreAdamW
 
-from .support import gradient, relative_error
+from .support import gradient, relative_error, step_on_gradients
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -104,9 +104,7 @@ def test_projected_groups_match_float64_algorithm(policy, shape, proj_type) -> N
         stagger=False,
         **hyper,
     )
-    for step in range(30):
-        weight.grad = gradient(step, shape)
-        optimizer.step()
+    step_on_gradients([weight], optimizer, range(30))
     expected = galore_reference(
         shape, 30, 6, 10, policy, proj_type, hyper["lr"], hyper["betas"], hyper["eps"], 0.05, scale=0.5
     )

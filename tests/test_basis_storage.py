@@ -9,7 +9,7 @@ import torch
 
 from slimopt import GaLoreAdamW, state_nbytes
 
-from .support import gradient
+from .support import step_on_gradients
 from .test_convergence import final_training_loss
 
 
@@ -20,12 +20,6 @@ def _optimizer(basis_states: str, shape=(128, 512), rank=32):
         [{"params": [param], "rank": rank}], lr=1e-2, basis_states=basis_states, update_proj_gap=3
     )
     return param, optimizer
-
-
-def _run(param, optimizer, steps, start=0):
-    for step in range(start, steps):
-        param.grad = gradient(step, tuple(param.shape))
-        optimizer.step()
 
 
 def _basis_bytes(optimizer) -> int:
@@ -41,7 +35,7 @@ def test_bases_take_half_or_a_quarter_of_fp32() -> None:
     sizes = {}
     for basis_states in ("fp32", "bf16", "int8"):
         param, optimizer = _optimizer(basis_states)
-        _run(param, optimizer, 1)
+        step_on_gradients([param], optimizer, range(1))
         sizes[basis_states] = _basis_bytes(optimizer)
     assert sizes["fp32"] == 128 * 32 * 4  # left factor m×r of a 128×512 matrix
     assert sizes["bf16"] == sizes["fp32"] // 2
@@ -51,7 +45,7 @@ def test_bases_take_half_or_a_quarter_of_fp32() -> None:
 @pytest.mark.parametrize("basis_states", ["bf16", "int8"])
 def test_stored_bases_stay_nearly_orthonormal(basis_states: str) -> None:
     param, optimizer = _optimizer(basis_states)
-    _run(param, optimizer, 4)  # refreshed at step 1 and step 4
+    step_on_gradients([param], optimizer, range(4))  # refreshed at step 1 and step 4
     basis = optimizer.basis(param, optimizer.param_groups[0]).left
     assert (basis.T @ basis - torch.eye(32)).abs().max() < (0.01 if basis_states == "bf16" else 0.03)
 
@@ -69,10 +63,10 @@ def test_compressed_bases_train_as_well_as_fp32(shakespeare_tokens: torch.Tensor
 
 def test_small_bases_stay_fp32_and_large_ones_are_compressed() -> None:
     small, optimizer = _optimizer("int8", shape=(64, 512), rank=16)  # 64×16 = 1024 entries
-    _run(small, optimizer, 1)
+    step_on_gradients([small], optimizer, range(1))
     assert optimizer.state[small]["basis_left"].dtype == torch.float32
     large, optimizer = _optimizer("int8")  # 128×32 = 4096 entries
-    _run(large, optimizer, 1)
+    step_on_gradients([large], optimizer, range(1))
     assert optimizer.state[large]["basis_left.codes"].dtype == torch.uint8
     assert "basis_left" not in optimizer.state[large]
 
@@ -80,10 +74,10 @@ def test_small_bases_stay_fp32_and_large_ones_are_compressed() -> None:
 @pytest.mark.parametrize("basis_states", ["bf16", "int8"])
 def test_resume_with_compressed_bases_is_exact(basis_states: str) -> None:
     param, optimizer = _optimizer(basis_states)
-    _run(param, optimizer, 10)
+    step_on_gradients([param], optimizer, range(10))
     whole = param.detach().clone()
     param, optimizer = _optimizer(basis_states)
-    _run(param, optimizer, 5)
+    step_on_gradients([param], optimizer, range(5))
     buffer = io.BytesIO()
     torch.save({"param": param.detach(), "optimizer": optimizer.state_dict()}, buffer)
     buffer.seek(0)
@@ -91,7 +85,7 @@ def test_resume_with_compressed_bases_is_exact(basis_states: str) -> None:
     param, optimizer = _optimizer(basis_states)
     param.data.copy_(saved["param"])
     optimizer.load_state_dict(saved["optimizer"])
-    _run(param, optimizer, 10, start=5)
+    step_on_gradients([param], optimizer, range(5, 10))
     assert torch.equal(param.detach(), whole)
     assert state_nbytes(optimizer) > 0
 

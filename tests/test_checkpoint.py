@@ -12,6 +12,7 @@ from slimopt import build_optimizer
 from slimopt.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 
 from .conftest import tiny_llama
+from .support import train_language_model
 
 # Rank 64 of the tiny LLaMA's 64 keeps projected states above the size under which they stay fp32,
 # so compressed states are exercised; that rank saves no memory, which build_optimizer warns of.
@@ -21,11 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:rank 64 saves no optimizer state
 def trained(seed: int = 0, steps: int = 3):
     model = tiny_llama(seed)
     optimizer = build_optimizer(model, "galore_adamw_ternary", lr=1e-2, rank=64, update_proj_gap=2)
-    for step in range(steps):
-        batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
-        model(input_ids=batch, labels=batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_language_model(model, optimizer, range(steps), shape=(2, 16))
     return model, optimizer
 
 

@@ -30,6 +30,7 @@ import slimopt.collectives
 from benchmarks.processes import free_port
 
 from .conftest import run_ranks
+from .support import token_batch
 
 WORLD = 2
 COLLECTIVES = (
@@ -119,7 +120,7 @@ def _model() -> torch.nn.Module:
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:
-    return torch.randint(0, 257, (4, 32), generator=torch.Generator().manual_seed(step))[rank::WORLD]
+    return token_batch(step, vocab=257)[rank::WORLD]
 
 
 def _fsdp2(rank: int) -> None:

@@ -19,7 +19,7 @@ import slimopt.sharding
 from benchmarks.processes import free_port
 
 from .conftest import run_ranks
-from .support import relative_error
+from .support import relative_error, token_batch
 
 WORLD = 2
 STEPS = 6
@@ -44,7 +44,7 @@ def _optimizer(params_of: torch.nn.Module, name: str) -> slimopt.GaLoreOptimizer
 
 
 def _batch(step: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(step))
+    return token_batch(step, vocab=VOCAB)
 
 
 def _single_process(name: str) -> dict[str, torch.Tensor]:

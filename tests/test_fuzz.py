@@ -6,7 +6,7 @@ spanning 60 orders of magnitude. Each test has a fixed example budget and derand
 so CI runs the same examples every time.
 
 Properties: decode ∘ encode is within each format's documented error and never NaN or infinite
-from finite input; stochastic rounding is unbiased; the stored bytes are the README's formula
+from finite input; stochastic rounding is unbiased; the stored bytes are the storage page's formula
 (and ``state_nbytes``); the fused step computes what the reference path does, skips included.
 """
 
@@ -74,7 +74,7 @@ def moments(draw: st.DrawFn, nonnegative: bool) -> torch.Tensor:
 
 
 def expected_bytes(states: str, kind: str, shape: torch.Size) -> int:
-    """The bytes one moment is stored in, as the README's storage table describes it."""
+    """The bytes one moment is stored in, as the manual's storage table (docs/storage.md) describes it."""
     n = shape.numel()
     if states == "fp32" or n < MIN_COMPRESSED_NUMEL:
         return 4 * n

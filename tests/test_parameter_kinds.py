@@ -11,7 +11,7 @@ import torch
 import slimopt
 from slimopt import GaLoreAdafactor, GaLoreAdamW
 
-from .support import gradient, relative_error
+from .support import gradient, relative_error, step_on_gradients
 
 FORMATS = ["fp32", "bf16", "int8", "int4", "ternary"]
 
@@ -142,9 +142,7 @@ def test_an_all_zero_gradient_at_a_refresh_keeps_the_basis_and_the_moments() -> 
     torch.manual_seed(0)
     param = torch.randn(64, 96, requires_grad=True)
     optimizer = GaLoreAdamW([{"params": [param], "rank": 8, "update_proj_gap": 3}], lr=1e-3, stagger=False)
-    for step in range(3):
-        param.grad = gradient(step, (64, 96))
-        optimizer.step()
+    step_on_gradients([param], optimizer, range(3))
     state = optimizer.state[param]
     basis, first_moment = state["basis_left"].clone(), state["exp_avg"].clone()
     param.grad = torch.zeros(64, 96)
@@ -164,9 +162,7 @@ def test_an_all_zero_gradient_does_not_stop_a_fully_projected_matrix_from_learni
         weight_decay=0.0,
         stagger=False,
     )
-    for step in range(2):
-        param.grad = gradient(step, (64, 96))
-        optimizer.step()
+    step_on_gradients([param], optimizer, range(2))
     param.grad = torch.zeros(64, 96)
     with pytest.warns(RuntimeWarning, match="all-zero gradient"):
         optimizer.step()

@@ -14,7 +14,7 @@ from slimopt.codecs import slicing
 from slimopt.codecs.slicing import SLICE_NUMEL
 from slimopt.memory import LiveBytes
 
-from .support import gradient, relative_error
+from .support import gradient, relative_error, step_on_gradients
 
 
 @pytest.fixture
@@ -96,9 +96,7 @@ def test_sliced_ternary_trains_and_resumes_exactly(small_slices) -> None:
             param.data.copy_(state["param"])
             optimizer.load_state_dict(state["optimizer"])
             start = state["step"]
-        for step in range(start, steps):
-            param.grad = gradient(step, (128, 128))
-            optimizer.step()
+        step_on_gradients([param], optimizer, range(start, steps))
         return param, optimizer
 
     whole, _ = run(10)

@@ -17,20 +17,11 @@ from slimopt import (
 )
 
 from .conftest import tiny_llama
-from .support import relative_error
+from .support import relative_error, train_language_model
 
 # Rank 64 of the tiny LLaMA's 64 keeps projected states above the size under which they stay fp32,
 # so compressed states are exercised; that rank saves no memory, which build_optimizer warns of.
 pytestmark = pytest.mark.filterwarnings("ignore:rank 64 saves no optimizer state")
-
-
-def train(model, optimizer, steps, start=0):
-    for step in range(start, start + steps):
-        generator = torch.Generator().manual_seed(step)
-        batch = torch.randint(0, 256, (4, 32), generator=generator)
-        model(input_ids=batch, labels=batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 def roundtrip(state_dict: dict) -> dict:
@@ -66,11 +57,11 @@ def test_resume_mid_subspace_is_bit_exact(name: str, dtype: torch.dtype, states:
 
     uninterrupted = tiny_llama(0).to(dtype)
     optimizer = build_optimizer(uninterrupted, name, lr=lr, **options)
-    train(uninterrupted, optimizer, 12)
+    train_language_model(uninterrupted, optimizer, range(12))
 
     first = tiny_llama(0).to(dtype)
     optimizer = build_optimizer(first, name, lr=lr, **options)
-    train(first, optimizer, 7)  # stop between the refreshes at steps 5 and 10
+    train_language_model(first, optimizer, range(7))  # stop between the refreshes at steps 5 and 10
     stored = [(key, value) for state in optimizer.state.values() for key, value in state.items()]
     if name.endswith(("8bit", "4bit")):
         assert any(key.endswith(".codes") for key, _ in stored)
@@ -85,7 +76,7 @@ def test_resume_mid_subspace_is_bit_exact(name: str, dtype: torch.dtype, states:
     resumed.load_state_dict(saved_model)
     optimizer = build_optimizer(resumed, name, lr=lr, **options)
     optimizer.load_state_dict(saved_optimizer)
-    train(resumed, optimizer, 5, start=7)
+    train_language_model(resumed, optimizer, range(7, 12))
 
     for (key, a), b in zip(uninterrupted.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), key
@@ -94,7 +85,7 @@ def test_resume_mid_subspace_is_bit_exact(name: str, dtype: torch.dtype, states:
 def test_state_dict_holds_only_tensors_and_numbers() -> None:
     model = tiny_llama(0).bfloat16()
     optimizer = build_optimizer(model, "galore_adamw", lr=1e-2, rank=4)
-    train(model, optimizer, 2)
+    train_language_model(model, optimizer, range(2))
     state = optimizer.state_dict()["state"]
     for values in state.values():
         for value in values.values():

@@ -274,7 +274,7 @@ def test_a_vector_without_a_fallback_is_refused() -> None:
 
 # ----------------------------------------------------------------------------- convergence
 
-# The documented bound (README, TACO): on this small fine-tune the sketch's (k = 16) validation
+# The documented bound (docs/taco.md): on this small fine-tune the sketch's (k = 16) validation
 # loss is within 1% of the dense oracle's, and TACO's matrix updates take at least 0.5% off the
 # loss of the same run with the matrices frozen (only the fallback training).
 ORACLE_BOUND = 0.01

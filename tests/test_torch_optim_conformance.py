@@ -2,7 +2,7 @@
 ``OptimizerInfo`` of ``common_optimizers.py`` runs), re-expressed for every configuration of
 ``tests/configurations.py``. Where slimopt deliberately differs (flags it refuses, complex
 parameters where no exact update exists, sparse gradients) the test asserts the documented error
-instead; the README lists them."""
+instead; docs/conformance.md lists them."""
 
 from __future__ import annotations
 
