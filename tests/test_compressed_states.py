@@ -18,7 +18,7 @@ from slimopt import (
     state_nbytes,
 )
 
-from .support import relative_error
+from .support import gradient, relative_error
 
 SHAPE = (1024, 96)
 
@@ -268,10 +268,42 @@ def test_ternary_states_of_thin_matrices_cost_what_a_vector_does(shape) -> None:
     assert torch.corrcoef(torch.stack([decoded.flatten(), weight.grad.flatten()]))[0, 1] > 0.1
 
 
+@pytest.mark.parametrize(("states", "exact"), [("ternary/fp32", "exp_avg_sq"), ("fp32/ternary", "exp_avg")])
+def test_each_moment_takes_the_format_named_for_it(states: str, exact: str) -> None:
+    """``states="first/second"``: the moment named fp32 is torch.optim.AdamW's to fp32 round-off
+    (gradients given, so neither moment depends on the other's storage), the other is stored as
+    the single format stores it, and the bytes are the two formats' own."""
+    weight = torch.nn.Parameter(torch.zeros(SHAPE))
+    reference = torch.nn.Parameter(torch.zeros(SHAPE))
+    ternary = torch.nn.Parameter(torch.zeros(SHAPE))
+    mixed = GaLoreAdamW([weight], lr=1e-3, states=states)
+    torch_adamw = torch.optim.AdamW([reference], lr=1e-3)
+    whole = GaLoreAdamW([ternary], lr=1e-3, states="ternary")
+    for step in range(5):
+        for param in (weight, reference, ternary):
+            param.grad = gradient(step, SHAPE)
+        for optimizer in (mixed, torch_adamw, whole):
+            optimizer.step()
+    ours = decoded_state(mixed, weight)[exact]
+    assert relative_error(ours, torch_adamw.state[reference][exact]) < 1e-6
+    compressed = "exp_avg" if exact == "exp_avg_sq" else "exp_avg_sq"
+    stored = {key for key in mixed.state[weight] if key.split(".")[0] == compressed}
+    assert stored == {key for key in whole.state[ternary] if key.split(".")[0] == compressed}
+    ternary_bytes = sum(
+        value.nbytes for key, value in whole.state[ternary].items() if key.split(".")[0] == compressed
+    )
+    assert state_nbytes(mixed) == ternary_bytes + 4 * weight.numel()
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         ({"states": "int2"}, "param group 0: unknown states 'int2'; valid: fp32, bf16, int8, int4, ternary"),
+        (
+            {"states": "ternary/fp8"},
+            "unknown states 'ternary/fp8'; valid: .* or one for each moment as 'first/second'",
+        ),
+        ({"states": "int8/int8/int8"}, "unknown states 'int8/int8/int8'"),
         ({"states": "int8", "block_size": 100}, "param group 0: block_size must be a power of two >= 4"),
         ({"states": "int8", "block_size": 0}, "block_size must be a power of two >= 4"),
     ],

@@ -47,6 +47,8 @@ def _distance(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
         ("adamw_ternary", {}),
         ("galore_adamw_ternary", {"rank": 8}),
         ("adamw", {"states": "bf16"}),
+        ("adamw", {"states": "ternary/fp32"}),
+        ("adamw", {"states": "int8/bf16"}),
         ("adamw8bit", {"param_rounding": "stochastic"}),
         # Adafactor: relative step and weights' RMS (a step size on the device), factored raw
         # statistics; momentum with every stored format; a projected whole second moment.
@@ -76,6 +78,7 @@ def test_fused_step_matches_the_reference_path(name, options, dtype) -> None:
         ("adamw8bit", {}),
         ("adamw4bit", {}),
         ("adamw", {"states": "bf16"}),
+        ("adamw", {"states": "int8/bf16"}),
         ("galore_adamw8bit", {"rank": 8}),
         ("adamw8bit", {"param_rounding": "stochastic"}),
         ("adamw_ternary", {}),

@@ -78,7 +78,10 @@ def _option_help(name: str) -> str:
         return "GaLore rank (default: a quarter of the projected matrices' smaller side, r = n/4)"
     default = {**PROJECTION_DEFAULTS, **STORAGE_DEFAULTS}.get(name)
     if name == "states":
-        return "state storage: fp32, bf16, int8, int4 or ternary (default: the optimizer's own)"
+        return (
+            "state storage: fp32, bf16, int8, int4 or ternary, or one per moment as FIRST/SECOND "
+            "(default: the optimizer's own)"
+        )
     if name == "weight_decay":
         return "decoupled weight decay (default 0.01)"
     shown = "the format's own" if default is None else default

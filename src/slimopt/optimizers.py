@@ -34,8 +34,9 @@ class GaLoreAdamW(GaLoreOptimizer):
     ({"subspace", "svd"}, "subspace"), ``on_subspace_change`` ({"keep", "reset", "rotate"},
     "rotate"), ``stagger`` (True: spread refreshes over the gap) and ``basis_states`` ({"fp32",
     "bf16", "int8"}, "fp32": how the basis is stored). Storage options (per group too):
-    ``states`` ({"fp32", "bf16", "int8", "int4", "ternary"}) and ``block_size`` (a power of two;
-    None for the format's default).
+    ``states`` ({"fp32", "bf16", "int8", "int4", "ternary"}, or one per moment as
+    ``"first/second"``, e.g. ``"ternary/fp32"``) and ``block_size`` (a power of two; None for the
+    format's default).
     """
 
     rule = AdamWRule()

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from slimopt import kernels
 from slimopt.checks import number_error
-from slimopt.codecs import STATE_FORMATS
+from slimopt.codecs import moment_formats
 from slimopt.codecs.slicing import matrix_shape
 from slimopt.projection import PROJ_METHODS, PROJ_TYPES
 from slimopt.projection import sides as projection_sides
@@ -75,7 +75,7 @@ def fused_unsupported(rule: UpdateRule, group: dict[str, Any], param: Tensor) ->
         return f"the {name} rule has no fused step (AdamW and Adafactor only)"
     if rule.fused == "adafactor" and param.dim() > 2:
         return "Adafactor's factored statistics of tensors with more than 2 dimensions have no fused step"
-    if group["states"] == "ternary" and param.dim() > 2:
+    if "ternary" in str(group["states"]).split("/") and param.dim() > 2:
         return "ternary states of tensors with more than 2 dimensions have no fused step"
     if param.is_complex():
         return "complex parameters have no fused step"
@@ -128,8 +128,10 @@ def _storage_errors(group: dict[str, Any]) -> list[str]:
                 f"param_rounding='stochastic' rounds to bf16, but parameters {shapes} are float16; "
                 "use bf16 parameters or param_rounding='nearest'"
             )
-    if group["states"] not in STATE_FORMATS:
-        errors.append(f"unknown states {group['states']!r}; valid: {', '.join(STATE_FORMATS)}")
+    try:
+        moment_formats(group["states"])
+    except ValueError as error:
+        errors.append(str(error))
     size = group["block_size"]
     if size is not None and (
         isinstance(size, bool) or not isinstance(size, int) or size < 4 or size & (size - 1)

@@ -15,13 +15,15 @@ second moment ("square", non-negative), and on its size.
 | ternary   | {-1,0,+1}, SR, 5 per byte, scale     | factored row/column means (matrices of at least |
 |           | row·col × per-block-of-8 byte        | 32×32), else int4                               |
 
-Moments with fewer than ``MIN_COMPRESSED_NUMEL`` elements stay fp32. Ternary row and column
+``states="first/second"`` gives each moment a format of its own (``"ternary/fp32"``: the first
+moment ternary, the second fp32). Moments with fewer than ``MIN_COMPRESSED_NUMEL`` elements stay
+fp32. Ternary row and column
 statistics cost 4 bytes per row (column), so they are kept only along dimensions of at least 32
 (``slimopt.codecs.ternary.scale_layout``): a 1×n or n×1 matrix costs what a vector does.
 """
 
 from slimopt.codecs.base import Codec, state_key
-from slimopt.codecs.choose import DEFAULT_BLOCK_SIZES, STATE_FORMATS, moment_codec
+from slimopt.codecs.choose import DEFAULT_BLOCK_SIZES, STATE_FORMATS, moment_codec, moment_formats
 from slimopt.codecs.slicing import MIN_COMPRESSED_NUMEL
 
 __all__ = [
@@ -30,5 +32,6 @@ __all__ = [
     "STATE_FORMATS",
     "Codec",
     "moment_codec",
+    "moment_formats",
     "state_key",
 ]

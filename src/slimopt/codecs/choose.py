@@ -1,5 +1,6 @@
-"""Which codec a moment gets: by format (``states=``), kind ("linear" first moments,
-"square" second moments) and shape (see the table in ``slimopt.codecs``)."""
+"""Which codec a moment gets: by format (``states=``, one for both moments or one each),
+kind ("linear" first moments, "square" second moments) and shape (see the table in
+``slimopt.codecs``)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,30 @@ STATE_FORMATS = ("fp32", "bf16", "int8", "int4", "ternary")
 DEFAULT_BLOCK_SIZES = {"int8": 256, "int4": 128, "ternary": 8}
 
 
+def moment_formats(states: str) -> tuple[str, str]:
+    """The formats of the first and of the second moment that ``states`` names: one format for
+    both, or one each as ``"first/second"`` (``"ternary/fp32"``: a ternary first moment, an fp32
+    second one). Raises ``ValueError`` naming a bad ``states``."""
+    parts = states.split("/") if isinstance(states, str) else []
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2 or any(part not in STATE_FORMATS for part in parts):
+        raise ValueError(
+            f"unknown states {states!r}; valid: {', '.join(STATE_FORMATS)}, or one for each moment "
+            "as 'first/second' (e.g. 'ternary/fp32')"
+        )
+    return parts[0], parts[1]
+
+
 def moment_codec(states: str, kind: str, shape: torch.Size, block_size: int | None = None) -> Codec:
-    """Return the codec for a moment of ``kind`` ("linear" or "square") and ``shape``.
+    """Return the codec for a moment of ``kind`` ("linear": first moments, "square": second
+    moments) and ``shape``, in the format ``states`` gives that kind (``moment_formats``).
 
     Raises ``ValueError`` for an unknown ``states`` or ``kind``.
     """
-    if states not in STATE_FORMATS:
-        raise ValueError(f"unknown states {states!r}; valid: {', '.join(STATE_FORMATS)}")
     if kind not in ("linear", "square"):
         raise ValueError(f"unknown moment kind {kind!r}; valid: linear, square")
+    states = moment_formats(states)[0 if kind == "linear" else 1]
     if states == "fp32" or shape.numel() < MIN_COMPRESSED_NUMEL:
         return _fp32()
     if states == "bf16":
