@@ -1,0 +1,191 @@
+"""Which part of the ternary format costs the loss (issue 29's diagnosis).
+
+On rows of ``benchmarks.architectures`` (the same models, data, steps, warm-up, clipping and
+learning-rate sweep), each variant swaps one part of ``states="ternary"`` (a ternary first moment
+with row × column × per-block scales, a factored second moment) for its fp32 counterpart or
+changes its scale granularity:
+
+- ``ternary/fp32``: only the first moment ternary; ``fp32/ternary``: only the second factored;
+- ``block_size`` 4 and 32: per-block scales over 4 or 32 elements instead of 8;
+- AdamW without momentum (β₁ = 0) and a factored second moment: the baseline that stores no
+  first moment at all, which any ternary first moment must beat;
+- the same under GaLore (the projected moments rotate with the basis at every refresh).
+
+``--shadow`` measures instead how the first moment's rounding noise accumulates through β₁: the
+LLaMA row trains with ternary states while an fp32 moving average of the same (clipped)
+gradients is kept beside it; at every tenth step the stored moment's relative error against that
+shadow, per kind of layer, and the error of encoding the shadow once (no accumulation).
+
+    python -m benchmarks.ternary_diagnosis [--rows llama,gpt2,opt] [--steps 400] [--out DIR]
+    python -m benchmarks.ternary_diagnosis --shadow [--steps 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import slimopt
+from benchmarks.architectures import learning_rates, relative, sweep, tasks
+from slimopt.codecs import moment_codec
+
+# (label, registry name, options): every variant of one row gets the same sweep as its family.
+VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
+    ("adamw (fp32)", "adamw", {}),
+    ("int8", "adamw8bit", {}),
+    ("ternary", "adamw_ternary", {}),
+    ("ternary first moment only", "adamw", {"states": "ternary/fp32"}),
+    ("factored second moment only", "adamw", {"states": "fp32/ternary"}),
+    ("ternary, blocks of 4", "adamw_ternary", {"block_size": 4}),
+    ("ternary, blocks of 32", "adamw_ternary", {"block_size": 32}),
+    ("no momentum, factored second moment", "adamw", {"states": "fp32/ternary", "betas": (0.0, 0.999)}),
+    # Rounding noise accumulates through β₁ (variance × 1 / (1 − β₁²)): a shorter average keeps less.
+    ("ternary, β₁ = 0.8", "adamw_ternary", {"betas": (0.8, 0.999)}),
+    ("ternary, β₁ = 0.5", "adamw_ternary", {"betas": (0.5, 0.999)}),
+    ("adamw (fp32), β₁ = 0.5", "adamw", {"betas": (0.5, 0.999)}),
+    ("galore_adamw (fp32)", "galore_adamw", {}),
+    ("galore ternary", "galore_adamw_ternary", {}),
+    ("galore ternary first moment only", "galore_adamw", {"states": "ternary/fp32"}),
+    ("galore factored second moment only", "galore_adamw", {"states": "fp32/ternary"}),
+]
+
+
+def diagnose(
+    rows: list[str], steps: int, sweep_size: int, batch_size: int, labels: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """Every variant (of ``labels``, default all) on every row: the best metric of the sweep,
+    its rate, state bytes."""
+    results = []
+    for task in tasks(rows):
+        row: dict[str, Any] = {"task": task.name, "metric": task.metric, "variants": {}}
+        for label, name, options in VARIANTS:
+            if labels is not None and label not in labels:
+                continue
+            lrs = learning_rates(name)[:sweep_size]
+            row["variants"][label] = sweep(task, name, lrs, steps, batch_size, options, label)
+        results.append(row)
+    return results
+
+
+def render(results: list[dict[str, Any]]) -> str:
+    """One column per row: metric (against fp32 AdamW, or fp32 GaLore for GaLore's variants)."""
+    head = "| variant | " + " | ".join(row["task"] for row in results) + " |"
+    lines = [head, "|---" * (len(results) + 1) + "|"]
+    for label in [label for label, _, _ in VARIANTS if label in results[0]["variants"]]:
+        cells = []
+        for row in results:
+            outcome = row["variants"][label]
+            base = row["variants"]["galore_adamw (fp32)" if label.startswith("galore") else "adamw (fp32)"]
+            change = relative(row["metric"], outcome["metric"], base["metric"])
+            # A loss: relative change; an accuracy: points gained (relative() counts points lost).
+            shown = f"{100 * change:+.1f}%" if row["metric"] == "loss" else f"{-100 * change:+.1f} pts"
+            cells.append(f"{outcome['metric']:.3f} ({shown})")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# LLaMA's kinds of matrix, by a part of the parameter's name.
+LAYER_KINDS = (
+    "embed",
+    "lm_head",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+def _layer_kind(name: str) -> str:
+    for kind in LAYER_KINDS:
+        if kind in name:
+            return kind
+    return "other"
+
+
+def shadow(steps: int, lr: float, batch_size: int, beta1: float = 0.9) -> list[dict[str, Any]]:
+    """The LLaMA row with ternary states beside an fp32 first moment of the same gradients."""
+    (task,) = tasks(["llama"])
+    torch.manual_seed(0)
+    model = task.build()
+    optimizer = slimopt.build_optimizer(model, "adamw_ternary", lr=lr, weight_decay=0.0, betas=(beta1, 0.999))
+    warmup = max(1, steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / warmup))
+    generator = torch.Generator().manual_seed(1)
+    names = {param: name for name, param in model.named_parameters() if param.dim() == 2}
+    shadows = {param: torch.zeros_like(param) for param in names}
+    records = []
+    for step in range(steps):
+        model(**task.batch(generator, batch_size)).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for param, moment in shadows.items():
+            moment.lerp_(param.grad, 1 - beta1)
+        optimizer.step()
+        optimizer.zero_grad()
+        schedule.step()
+        if (step + 1) % 10 == 0:
+            records.append({"step": step + 1, **_errors(optimizer, names, shadows)})
+    return records
+
+
+def _errors(optimizer: Any, names: dict, shadows: dict) -> dict[str, dict[str, float]]:
+    """Per kind of layer: the stored first moment's relative error against the shadow, and the
+    error of one encoding of the shadow (what the format loses without accumulation)."""
+    sums: dict[str, list[float]] = {}
+    for param, moment in shadows.items():
+        stored = slimopt.decoded_state(optimizer, param)["exp_avg"]
+        codec = moment_codec("ternary", "linear", param.shape)
+        once = codec.decode(codec.encode(moment, torch.Generator().manual_seed(0)), param.shape)
+        norm = moment.norm().item() ** 2
+        total = sums.setdefault(_layer_kind(names[param]), [0.0, 0.0, 0.0])
+        total[0] += (stored - moment).norm().item() ** 2
+        total[1] += (once - moment).norm().item() ** 2
+        total[2] += norm
+    return {
+        kind: {"accumulated": (s / n) ** 0.5 if n else 0.0, "one_encoding": (o / n) ** 0.5 if n else 0.0}
+        for kind, (s, o, n) in sums.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> Any:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="llama,gpt2,opt", help="rows of benchmarks.architectures")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--sweep", type=int, default=2, help="learning rates per variant, best first")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--shadow", action="store_true", help="measure the first moment's error instead")
+    parser.add_argument("--variants", help="labels of VARIANTS to run, separated by ';' (default all)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="--shadow's learning rate")
+    parser.add_argument("--beta1", type=float, default=0.9, help="--shadow's β₁")
+    parser.add_argument("--out", default="runs/ternary-diagnosis")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.shadow:
+        records = shadow(args.steps, args.lr, args.batch_size, args.beta1)
+        (out / "shadow.json").write_text(json.dumps(records, indent=1))
+        for record in records[4::5]:
+            cells = ", ".join(
+                f"{kind} {e['accumulated']:.2f}/{e['one_encoding']:.2f}"
+                for kind, e in record.items()
+                if kind != "step"
+            )
+            print(f"step {record['step']}: {cells}")
+        return records
+    labels = args.variants.split(";") if args.variants else None
+    results = diagnose(args.rows.split(","), args.steps, args.sweep, args.batch_size, labels)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    table = render(results)
+    (out / "results.md").write_text(table + "\n")
+    print(table)
+    return results
+
+
+if __name__ == "__main__":
+    main()
