@@ -51,6 +51,7 @@ VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("galore ternary", "galore_adamw_ternary", {}),
     ("galore ternary first moment only", "galore_adamw", {"states": "ternary/fp32"}),
     ("galore factored second moment only", "galore_adamw", {"states": "fp32/ternary"}),
+    ("galore ternary, β₁ = 0.5", "galore_adamw_ternary", {"betas": (0.5, 0.999)}),
 ]
 
 

@@ -24,9 +24,9 @@ def moment_formats(states: str) -> tuple[str, str]:
     """The formats of the first and of the second moment that ``states`` names: one format for
     both, or one each as ``"first/second"`` (``"ternary/fp32"``: a ternary first moment, an fp32
     second one). Raises ``ValueError`` naming a bad ``states``."""
-    parts = states.split("/") if isinstance(states, str) else []
+    parts = tuple(states.split("/")) if isinstance(states, str) else ()
     if len(parts) == 1:
-        parts *= 2
+        parts = (parts[0], parts[0])
     if len(parts) != 2 or any(part not in STATE_FORMATS for part in parts):
         raise ValueError(
             f"unknown states {states!r}; valid: {', '.join(STATE_FORMATS)}, or one for each moment "
