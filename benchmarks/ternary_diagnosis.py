@@ -83,7 +83,7 @@ def render(results: list[dict[str, Any]]) -> str:
             base = row["variants"]["galore_adamw (fp32)" if label.startswith("galore") else "adamw (fp32)"]
             change = relative(row["metric"], outcome["metric"], base["metric"])
             # A loss: relative change; an accuracy: points gained (relative() counts points lost).
-            shown = f"{100 * change:+.1f}%" if row["metric"] == "loss" else f"{-100 * change:+.1f} pts"
+            shown = f"{100 * change:+.1f}%" if row["metric"] == "loss" else f"{0.0 - 100 * change:+.1f} pts"
             cells.append(f"{outcome['metric']:.3f} ({shown})")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
