@@ -128,46 +128,52 @@ def _digits() -> tuple[Tensor, Tensor, Tensor, Tensor]:
 # ----------------------------------------------------------------------------- models
 
 
-def decoder(family: str, layers: int = 2) -> nn.Module:
+def decoder(family: str, layers: int = 2, hidden: int = 64) -> nn.Module:
     """A small decoder language model of ``family`` (llama, gpt2, qwen2 with grouped-query
-    attention and a tied embedding, gpt_neox, opt, mixtral with 4 experts) over 256 tokens."""
+    attention and a tied embedding, gpt_neox, opt, mixtral with 4 experts) over 256 tokens;
+    ``hidden`` scales the width (the MLPs in proportion)."""
     import transformers as t
 
+    width = hidden // 64
     common = {"vocab_size": 256, "num_hidden_layers": layers, "num_attention_heads": 4}
     configs = {
         "llama": lambda: t.LlamaForCausalLM(
-            t.LlamaConfig(**common, hidden_size=64, intermediate_size=172, max_position_embeddings=SEQ_LEN)
+            t.LlamaConfig(
+                **common, hidden_size=hidden, intermediate_size=172 * width, max_position_embeddings=SEQ_LEN
+            )
         ),
         "gpt2": lambda: t.GPT2LMHeadModel(
-            t.GPT2Config(vocab_size=256, n_layer=layers, n_head=4, n_embd=64, n_positions=SEQ_LEN)
+            t.GPT2Config(vocab_size=256, n_layer=layers, n_head=4, n_embd=hidden, n_positions=SEQ_LEN)
         ),
         "qwen2": lambda: t.Qwen2ForCausalLM(
             t.Qwen2Config(
                 **common,
-                hidden_size=64,
-                intermediate_size=172,
+                hidden_size=hidden,
+                intermediate_size=172 * width,
                 num_key_value_heads=2,
                 tie_word_embeddings=True,
                 max_position_embeddings=SEQ_LEN,
             )
         ),
         "gpt_neox": lambda: t.GPTNeoXForCausalLM(
-            t.GPTNeoXConfig(**common, hidden_size=64, intermediate_size=256, max_position_embeddings=SEQ_LEN)
+            t.GPTNeoXConfig(
+                **common, hidden_size=hidden, intermediate_size=256 * width, max_position_embeddings=SEQ_LEN
+            )
         ),
         "opt": lambda: t.OPTForCausalLM(
             t.OPTConfig(
                 **common,
-                hidden_size=64,
-                ffn_dim=256,
-                word_embed_proj_dim=64,
+                hidden_size=hidden,
+                ffn_dim=256 * width,
+                word_embed_proj_dim=hidden,
                 max_position_embeddings=SEQ_LEN,
             )
         ),
         "mixtral": lambda: t.MixtralForCausalLM(
             t.MixtralConfig(
                 **common,
-                hidden_size=64,
-                intermediate_size=96,
+                hidden_size=hidden,
+                intermediate_size=96 * width,
                 num_key_value_heads=2,
                 num_local_experts=4,
                 num_experts_per_tok=2,
@@ -201,7 +207,7 @@ class ConvNet(nn.Module):
 # ----------------------------------------------------------------------------- tasks
 
 
-def _lm_task(family: str, name: str, data: tuple[Tensor, Tensor]) -> Task:
+def _lm_task(family: str, name: str, data: tuple[Tensor, Tensor], hidden: int = 64) -> Task:
     train, valid = data
     starts = torch.arange(0, len(valid) - SEQ_LEN, (len(valid) - SEQ_LEN) // 32)[:32]
     valid_batch = torch.stack([valid[s : s + SEQ_LEN] for s in starts])
@@ -215,7 +221,7 @@ def _lm_task(family: str, name: str, data: tuple[Tensor, Tensor]) -> Task:
     def evaluate(model: nn.Module) -> float:
         return float(model(input_ids=valid_batch, labels=valid_batch).loss)
 
-    return Task(name, "loss", lambda: decoder(family), batch, evaluate)
+    return Task(name, "loss", lambda: decoder(family, hidden=hidden), batch, evaluate)
 
 
 def _classification_task(
@@ -390,10 +396,12 @@ def _finetune_tasks(base: Path, regimes: list[str]) -> list[Task]:
     return rows
 
 
-def tasks(names: list[str] | None = None, out: Path | None = None, pretrain_steps: int = 600) -> list[Task]:
+def tasks(
+    names: list[str] | None = None, out: Path | None = None, pretrain_steps: int = 600, hidden: int = 64
+) -> list[Task]:
     """The rows, in table order; ``names``: a subset by key (llama, gpt2, qwen2, gpt_neox, opt,
     mixtral, bert, t5, vit, convnet, full, lora, qlora). The fine-tuning rows pretrain their base
-    under ``out`` first."""
+    under ``out`` first; ``hidden`` is the decoder rows' width."""
     wanted = set(names) if names else None
     rows: list[Task] = []
     families = {
@@ -407,7 +415,9 @@ def tasks(names: list[str] | None = None, out: Path | None = None, pretrain_step
     if wanted is None or wanted & set(families):
         corpus = _corpus_bytes()
         rows += [
-            _lm_task(family, f"{label} LM", corpus)
+            _lm_task(
+                family, f"{label} LM" if hidden == 64 else f"{label} LM, hidden {hidden}", corpus, hidden
+            )
             for family, label in families.items()
             if wanted is None or family in wanted
         ]
@@ -440,16 +450,18 @@ def train_once(
     steps: int,
     batch_size: int,
     options: dict[str, Any] | None = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Train ``task``'s model from a fixed initialization; its metric, state bytes, peak bytes
     of one training step (weights, gradients, activations and state: ``LiveBytes``) and time.
-    ``options`` go to ``build_optimizer``."""
-    torch.manual_seed(0)
+    ``options`` go to ``build_optimizer``; ``seed`` draws the initialization (``seed``) and the
+    batches (``seed + 1``)."""
+    torch.manual_seed(seed)
     model = task.build()
     optimizer = slimopt.build_optimizer(model, optimizer_name, lr=lr, weight_decay=0.0, **(options or {}))
     warmup = max(1, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / warmup))
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(seed + 1)
     began = time.perf_counter()
     peak = 0
     for step in range(steps):
@@ -500,12 +512,13 @@ def sweep(
     batch_size: int,
     options: dict[str, Any] | None = None,
     label: str | None = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """``train_once`` at every learning rate of ``lrs``: the best run, its rate (``best_lr``) and
     every rate's metric (``sweep``). ``label`` names the run in the progress lines."""
     runs = {}
     for lr in lrs:
-        runs[lr] = train_once(task, optimizer_name, lr, steps, batch_size, options)
+        runs[lr] = train_once(task, optimizer_name, lr, steps, batch_size, options, seed)
         name, metric = label or optimizer_name, runs[lr]["metric"]
         print(f"{task.name:34s} {name:30s} lr {lr:<7g} {task.metric} {metric:.4f}", flush=True)
     best = None

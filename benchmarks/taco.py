@@ -67,10 +67,14 @@ def variants() -> list[Variant]:
     return [
         Variant("AdamW", "adamw", ADAMW_LRS),
         Variant("AdamW int8", "adamw8bit", ADAMW_LRS),
-        Variant("AdamW ternary", "adamw_ternary", ADAMW_LRS),
+        Variant("AdamW ternary", "adamw_ternary", ADAMW_LRS, {"betas": (0.9, 0.999)}),
         Variant("LoRA (AdamW)", "adamw", ADAMW_LRS, lora=True),
         *taco,
         Variant("TACO dense oracle", "taco", TACO_LRS, {"history": "dense"}),
+        # Issue 29's lesson for ternary states (a shorter average) tried on TACO's sketch.
+        Variant("TACO k=16 at β = 0.5", "taco", TACO_LRS, {"beta": 0.5}),
+        Variant("TACO dense oracle at β = 0.5", "taco", TACO_LRS, {"history": "dense", "beta": 0.5}),
+        Variant("AdamW ternary at β₁ = 0.5", "adamw_ternary", ADAMW_LRS, {"betas": (0.5, 0.999)}),
         # What TACO's matrix updates add: the same run with them at learning rate 0.
         Variant("matrices frozen (fallback only)", "taco", (0.0,)),
     ]

@@ -23,64 +23,100 @@ shadow, per kind of layer, and the error of encoding the shadow once (no accumul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
 import slimopt
 from benchmarks.architectures import learning_rates, relative, sweep, tasks
-from slimopt.codecs import moment_codec
+from slimopt.codecs import moment_codec, ternary
 
 # (label, registry name, options): every variant of one row gets the same sweep as its family.
 VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("adamw (fp32)", "adamw", {}),
     ("int8", "adamw8bit", {}),
-    ("ternary", "adamw_ternary", {}),
+    # adamw_ternary's β₁ was 0.9 before issue 29 chose 0.5: "ternary" is that format at 0.9.
+    ("ternary", "adamw_ternary", {"betas": (0.9, 0.999)}),
     ("ternary first moment only", "adamw", {"states": "ternary/fp32"}),
     ("factored second moment only", "adamw", {"states": "fp32/ternary"}),
-    ("ternary, blocks of 4", "adamw_ternary", {"block_size": 4}),
-    ("ternary, blocks of 32", "adamw_ternary", {"block_size": 32}),
+    ("ternary, blocks of 4", "adamw_ternary", {"block_size": 4, "betas": (0.9, 0.999)}),
+    ("ternary, blocks of 32", "adamw_ternary", {"block_size": 32, "betas": (0.9, 0.999)}),
     ("no momentum, factored second moment", "adamw", {"states": "fp32/ternary", "betas": (0.0, 0.999)}),
     # Rounding noise accumulates through β₁ (variance × 1 / (1 − β₁²)): a shorter average keeps less.
     ("ternary, β₁ = 0.8", "adamw_ternary", {"betas": (0.8, 0.999)}),
+    ("ternary, β₁ = 0.7", "adamw_ternary", {"betas": (0.7, 0.999)}),
     ("ternary, β₁ = 0.5", "adamw_ternary", {"betas": (0.5, 0.999)}),
+    ("ternary, β₁ = 0.3", "adamw_ternary", {"betas": (0.3, 0.999)}),
+    # The next size up for the first moment: 16 levels in blocks of 128 (0.53 bytes per parameter).
+    ("int4 first moment, factored second", "adamw", {"states": "int4/ternary"}),
     ("adamw (fp32), β₁ = 0.5", "adamw", {"betas": (0.5, 0.999)}),
+    # Round-to-nearest instead of stochastic rounding (``round_to_nearest``: every draw fixed at 0.5).
+    ("ternary, round-to-nearest", "adamw_ternary", {"betas": (0.9, 0.999), "fused": False}),
+    ("ternary, β₁ = 0.5, round-to-nearest", "adamw_ternary", {"betas": (0.5, 0.999), "fused": False}),
     ("galore_adamw (fp32)", "galore_adamw", {}),
-    ("galore ternary", "galore_adamw_ternary", {}),
+    ("galore ternary", "galore_adamw_ternary", {"betas": (0.9, 0.999)}),
     ("galore ternary first moment only", "galore_adamw", {"states": "ternary/fp32"}),
     ("galore factored second moment only", "galore_adamw", {"states": "fp32/ternary"}),
+    ("galore ternary, β₁ = 0.7", "galore_adamw_ternary", {"betas": (0.7, 0.999)}),
     ("galore ternary, β₁ = 0.5", "galore_adamw_ternary", {"betas": (0.5, 0.999)}),
 ]
 
 
 def diagnose(
-    rows: list[str], steps: int, sweep_size: int, batch_size: int, labels: list[str] | None = None
+    rows: list[str],
+    steps: int,
+    sweep_size: int,
+    batch_size: int,
+    labels: list[str] | None = None,
+    *,
+    seed: int = 0,
+    hidden: int = 64,
+    out: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """Every variant (of ``labels``, default all) on every row: the best metric of the sweep,
-    its rate, state bytes."""
+    """Every variant (of ``labels``, default all) on every row where its optimizer applies (no
+    GaLore on adapters): the best metric of the sweep, its rate, state bytes. ``seed``, ``hidden``
+    and ``out`` (where the fine-tuning rows' base is kept) go to ``benchmarks.architectures``."""
     results = []
-    for task in tasks(rows):
+    for task in tasks(rows, out, hidden=hidden):
         row: dict[str, Any] = {"task": task.name, "metric": task.metric, "variants": {}}
         for label, name, options in VARIANTS:
-            if labels is not None and label not in labels:
+            if (labels is not None and label not in labels) or name not in task.optimizers:
                 continue
             lrs = learning_rates(name)[:sweep_size]
-            row["variants"][label] = sweep(task, name, lrs, steps, batch_size, options, label)
+            with round_to_nearest() if label.endswith("round-to-nearest") else contextlib.nullcontext():
+                row["variants"][label] = sweep(task, name, lrs, steps, batch_size, options, label, seed)
         results.append(row)
     return results
+
+
+@contextlib.contextmanager
+def round_to_nearest() -> Iterator[None]:
+    """Ternary encoding rounds to the nearest of -s, 0, +s while this is open: an element becomes
+    sign(x)·s when its draw, fixed at 0.5 here, is below |x|/s (the reference path only: the
+    variants pass ``fused=False``)."""
+    with mock.patch.object(ternary, "uniform", lambda seed, count: torch.full((count,), 0.5)):
+        yield
 
 
 def render(results: list[dict[str, Any]]) -> str:
     """One column per row: metric (against fp32 AdamW, or fp32 GaLore for GaLore's variants)."""
     head = "| variant | " + " | ".join(row["task"] for row in results) + " |"
     lines = [head, "|---" * (len(results) + 1) + "|"]
-    for label in [label for label, _, _ in VARIANTS if label in results[0]["variants"]]:
+    for label in [label for label, _, _ in VARIANTS if any(label in row["variants"] for row in results)]:
         cells = []
         for row in results:
-            outcome = row["variants"][label]
-            base = row["variants"]["galore_adamw (fp32)" if label.startswith("galore") else "adamw (fp32)"]
+            outcome = row["variants"].get(label)
+            base = row["variants"].get(
+                "galore_adamw (fp32)" if label.startswith("galore") else "adamw (fp32)"
+            )
+            if outcome is None or base is None:
+                cells.append("—")
+                continue
             change = relative(row["metric"], outcome["metric"], base["metric"])
             # A loss: relative change; an accuracy: points gained (relative() counts points lost).
             shown = f"{100 * change:+.1f}%" if row["metric"] == "loss" else f"{0.0 - 100 * change:+.1f} pts"
@@ -111,7 +147,9 @@ def _layer_kind(name: str) -> str:
 
 
 def shadow(steps: int, lr: float, batch_size: int, beta1: float = 0.9) -> list[dict[str, Any]]:
-    """The LLaMA row with ternary states beside an fp32 first moment of the same gradients."""
+    """The LLaMA row with ternary states beside an fp32 first moment of the same gradients, and
+    beside the same moving average kept in ternary with round-to-nearest instead of stochastic
+    rounding (a simulation on the format's own scales; it does not drive the training)."""
     (task,) = tasks(["llama"])
     torch.manual_seed(0)
     model = task.build()
@@ -121,36 +159,77 @@ def shadow(steps: int, lr: float, batch_size: int, beta1: float = 0.9) -> list[d
     generator = torch.Generator().manual_seed(1)
     names = {param: name for name, param in model.named_parameters() if param.dim() == 2}
     shadows = {param: torch.zeros_like(param) for param in names}
+    nearest = {param: torch.zeros_like(param) for param in names}
     records = []
     for step in range(steps):
         model(**task.batch(generator, batch_size)).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for param, moment in shadows.items():
             moment.lerp_(param.grad, 1 - beta1)
+            nearest[param] = _round_to_nearest(nearest[param].lerp(param.grad, 1 - beta1))
         optimizer.step()
         optimizer.zero_grad()
         schedule.step()
         if (step + 1) % 10 == 0:
-            records.append({"step": step + 1, **_errors(optimizer, names, shadows)})
+            records.append({"step": step + 1, **_errors(optimizer, names, shadows, nearest)})
     return records
 
 
-def _errors(optimizer: Any, names: dict, shadows: dict) -> dict[str, dict[str, float]]:
-    """Per kind of layer: the stored first moment's relative error against the shadow, and the
-    error of one encoding of the shadow (what the format loses without accumulation)."""
-    sums: dict[str, list[float]] = {}
+def _round_to_nearest(value: torch.Tensor) -> torch.Tensor:
+    """``value`` rounded to the nearest of -s, 0, +s, with s the ternary format's scale of each
+    element (decoding the stored scales with every digit set to +1: byte 242 = digits 2, 2, 2, 2, 2)."""
+    codec = moment_codec("ternary", "linear", value.shape)
+    stored = codec.encode(value, torch.Generator().manual_seed(0))
+    scale = codec.decode({**stored, "trits": torch.full_like(stored["trits"], 242)}, value.shape)
+    return torch.where(value.abs() > scale / 2, value.sign() * scale, 0.0)
+
+
+def _hadamard_rotation(size: int = 8) -> torch.Tensor:
+    """An orthogonal size × size matrix: Sylvester's Hadamard matrix times random signs."""
+    rotation = torch.ones(1, 1)
+    while rotation.shape[0] < size:
+        rotation = torch.cat([torch.cat([rotation, rotation], 1), torch.cat([rotation, -rotation], 1)])
+    signs = torch.randint(0, 2, (size,), generator=torch.Generator().manual_seed(0)) * 2 - 1
+    return rotation * signs / size**0.5
+
+
+def _encoded_rotated(value: torch.Tensor) -> torch.Tensor:
+    """One ternary encoding of ``value`` with each scale block (8 elements down a column) rotated
+    before rounding and rotated back after decoding: what an orthogonal rotation would give."""
+    rotation = _hadamard_rotation()
+    rows = value.shape[0]
+    padded = torch.cat([value, value.new_zeros(-rows % 8, value.shape[1])])
+    blocks = torch.einsum("ij,bjc->bic", rotation, padded.view(-1, 8, value.shape[1])).reshape(padded.shape)
+    codec = moment_codec("ternary", "linear", padded.shape)
+    decoded = codec.decode(codec.encode(blocks, torch.Generator().manual_seed(0)), padded.shape)
+    back = torch.einsum("ji,bjc->bic", rotation, decoded.view(-1, 8, value.shape[1])).reshape(padded.shape)
+    return back[:rows]
+
+
+def _errors(optimizer: Any, names: dict, shadows: dict, nearest: dict) -> dict[str, dict[str, float]]:
+    """Per kind of layer, relative to the shadow's norm: the stored first moment's error (stochastic
+    rounding, accumulated), the round-to-nearest moment's, and the error of one encoding of the
+    shadow (what the format loses without accumulation), plain and after a Hadamard rotation."""
+    sums: dict[str, dict[str, float]] = {}
     for param, moment in shadows.items():
-        stored = slimopt.decoded_state(optimizer, param)["exp_avg"]
         codec = moment_codec("ternary", "linear", param.shape)
-        once = codec.decode(codec.encode(moment, torch.Generator().manual_seed(0)), param.shape)
-        norm = moment.norm().item() ** 2
-        total = sums.setdefault(_layer_kind(names[param]), [0.0, 0.0, 0.0])
-        total[0] += (stored - moment).norm().item() ** 2
-        total[1] += (once - moment).norm().item() ** 2
-        total[2] += norm
+        estimates = {
+            "accumulated": slimopt.decoded_state(optimizer, param)["exp_avg"],
+            "nearest_accumulated": nearest[param],
+            "one_encoding": codec.decode(codec.encode(moment, torch.Generator().manual_seed(0)), param.shape),
+            "one_encoding_rotated": _encoded_rotated(moment),
+        }
+        total = sums.setdefault(_layer_kind(names[param]), dict.fromkeys([*estimates, "norm"], 0.0))
+        for key, estimate in estimates.items():
+            total[key] += (estimate - moment).norm().item() ** 2
+        total["norm"] += moment.norm().item() ** 2
     return {
-        kind: {"accumulated": (s / n) ** 0.5 if n else 0.0, "one_encoding": (o / n) ** 0.5 if n else 0.0}
-        for kind, (s, o, n) in sums.items()
+        kind: {
+            key: (value / total["norm"]) ** 0.5 if total["norm"] else 0.0
+            for key, value in total.items()
+            if key != "norm"
+        }
+        for kind, total in sums.items()
     }
 
 
@@ -164,6 +243,8 @@ def main(argv: list[str] | None = None) -> Any:
     parser.add_argument("--variants", help="labels of VARIANTS to run, separated by ';' (default all)")
     parser.add_argument("--lr", type=float, default=3e-3, help="--shadow's learning rate")
     parser.add_argument("--beta1", type=float, default=0.9, help="--shadow's β₁")
+    parser.add_argument("--seed", type=int, default=0, help="initialization seed (batches: seed + 1)")
+    parser.add_argument("--hidden", type=int, default=64, help="the decoder rows' width")
     parser.add_argument("--out", default="runs/ternary-diagnosis")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -173,14 +254,23 @@ def main(argv: list[str] | None = None) -> Any:
         (out / "shadow.json").write_text(json.dumps(records, indent=1))
         for record in records[4::5]:
             cells = ", ".join(
-                f"{kind} {e['accumulated']:.2f}/{e['one_encoding']:.2f}"
+                f"{kind} {e['accumulated']:.2f}/{e['nearest_accumulated']:.2f}/{e['one_encoding']:.2f}"
+                f"/{e['one_encoding_rotated']:.2f}"
                 for kind, e in record.items()
                 if kind != "step"
             )
             print(f"step {record['step']}: {cells}")
         return records
     labels = args.variants.split(";") if args.variants else None
-    results = diagnose(args.rows.split(","), args.steps, args.sweep, args.batch_size, labels)
+    results = diagnose(
+        args.rows.split(","),
+        args.steps,
+        args.sweep,
+        args.batch_size,
+        labels,
+        seed=args.seed,
+        hidden=args.hidden,
+    )
     (out / "results.json").write_text(json.dumps(results, indent=1))
     table = render(results)
     (out / "results.md").write_text(table + "\n")

@@ -341,4 +341,4 @@ def test_the_taco_benchmark_measures_every_variant(tmp_path) -> None:
         assert entry["layerwise_peak_bytes"] > entry["state_bytes"] > 0
     assert row["variants"]["TACO dense oracle"]["bytes_per_column"] > 4 * 64
     assert all(entry["metric"] == entry["metric"] for entry in row["variants"].values())
-    assert (tmp_path / "results.md").read_text().count("| TACO k=") == 6
+    assert (tmp_path / "results.md").read_text().count("| TACO k=") == 7  # 4 sizes, β = 0.5, 2 fallbacks
