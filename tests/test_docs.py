@@ -173,7 +173,7 @@ def test_quoted_output_is_what_the_command_prints(page: str, words: list[str], q
 # --- Numbers the pages quote ------------------------------------------------------------------
 
 STORAGE = ROOT / "docs" / "storage.md"
-ROW = re.compile(r"^\| (fp32|bf16|int8|int4|ternary) \| ([\d.]+) \| ([\d.]+) \|$", re.MULTILINE)
+ROW = re.compile(r"^\| (fp32|bf16|int8|int4|ternary|int4/ternary) \| ([\d.]+) \| ([\d.]+) \|$", re.MULTILINE)
 
 
 def bytes_per_param(states: str | None, rank: int | None, cls: type = GaLoreAdamW, **options) -> float:
@@ -187,7 +187,7 @@ def bytes_per_param(states: str | None, rank: int | None, cls: type = GaLoreAdam
 
 def test_bytes_per_parameter_table_matches_state_nbytes() -> None:
     rows = ROW.findall(STORAGE.read_text())
-    assert [row[0] for row in rows] == ["fp32", "bf16", "int8", "int4", "ternary"]
+    assert [row[0] for row in rows] == ["fp32", "bf16", "int8", "int4", "ternary", "int4/ternary"]
     for states, plain, projected in rows:
         assert bytes_per_param(states, None) == pytest.approx(float(plain), abs=5e-4), states
         assert bytes_per_param(states, 512) == pytest.approx(float(projected), abs=5e-4), states
@@ -195,18 +195,21 @@ def test_bytes_per_parameter_table_matches_state_nbytes() -> None:
 
 
 NAMED = re.compile(
-    r"^\| `(\w+)` \| [^|]+ \| [^|]+ \| [^|]+ \| ([\d.]+)(?: at r = (\d+))?([^|]*)\|$", re.MULTILINE
+    r"^\| `(\w+)`(?: with `states=\"([\w/]+)\"`)? \| [^|]+ \| [^|]+ \| [^|]+ \| "
+    r"([\d.]+)(?: at r = (\d+))?([^|]*)\|$",
+    re.MULTILINE,
 )
 
 
 def test_the_optimizer_tables_bytes_are_measured() -> None:
     """The table of optimizers (README and the manual's home page, the same rows): each name's
-    bytes per parameter of a 2048×2048 weight, and the int8-basis figure, are state_nbytes'."""
+    bytes per parameter of a 2048×2048 weight (with the ``states`` a row names), and the
+    int8-basis figure, are state_nbytes'."""
     tables = [NAMED.findall(page.read_text()) for page in (README, ROOT / "docs" / "index.md")]
-    assert tables[0] == tables[1] and len(tables[0]) == 8
-    for name, quoted, rank, note in tables[0]:
+    assert tables[0] == tables[1] and len(tables[0]) == 9
+    for name, states, quoted, rank, note in tables[0]:
         cls = OPTIMIZERS[name].cls
-        measured = bytes_per_param(None, int(rank) if rank else None, cls)
+        measured = bytes_per_param(states or None, int(rank) if rank else None, cls)
         assert measured == pytest.approx(float(quoted), abs=5e-4), name
         basis = re.search(r"\(([\d.]+) with `basis_states=\"int8\"`\)", note)
         if basis:

@@ -63,6 +63,27 @@ def test_a_golden_checkpoint_loads_and_continues_identically(run: GoldenRun) -> 
     assert _differences(golden_runs.digest(net, optimizer), MANIFESTED["runs"][run.label]["more"]) == []
 
 
+@pytest.mark.parametrize(
+    "run", [run for run in RUNS if run.saved and "betas" in run.options], ids=lambda run: run.label
+)
+def test_a_checkpoint_saved_before_a_default_changed_continues_with_its_own_hyperparameters(
+    run: GoldenRun,
+) -> None:
+    """The ternary optimizers' default β₁ went from 0.9 to 0.5 after their golden checkpoints
+    were saved: an optimizer built with today's defaults takes 0.9 back from the checkpoint, as
+    ``torch.optim`` does, and continues the old run bit for bit."""
+    saved = torch.load(golden_runs.file_of(run), weights_only=True)
+    with golden_runs.one_thread():
+        net = run.net()
+        optimizer = run.configuration.build(net, **{k: v for k, v in run.options.items() if k != "betas"})
+        assert optimizer.defaults["betas"] != run.options["betas"]
+        net.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        assert {tuple(group["betas"]) for group in optimizer.param_groups} == {run.options["betas"]}
+        golden_runs.train(run, net, optimizer, LATER)
+    assert _differences(golden_runs.digest(net, optimizer), MANIFESTED["runs"][run.label]["more"]) == []
+
+
 @pytest.mark.parametrize("run", [run for run in RUNS if run.dcp], ids=lambda run: run.label)
 def test_a_golden_distributed_checkpoint_loads_and_continues_identically(run: GoldenRun) -> None:
     with golden_runs.one_thread():

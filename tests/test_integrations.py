@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,23 @@ def test_optim_args_are_typed_and_bad_ones_are_named() -> None:
         parse_optim_args("rank=four")
     with pytest.raises(ValueError, match="is not key=value"):
         parse_optim_args("rank")
+
+
+@pytest.mark.parametrize("name", ["adamw_ternary", "galore_adamw_ternary"])
+def test_a_ternary_optimizer_takes_adam_beta1_as_given_and_says_its_own_default(tmp_path, name) -> None:
+    """TrainingArguments' adam_beta1 (0.9 unless set) reaches the optimizer, as for every Adam,
+    with a warning naming the ternary optimizers' own default, which itself passes quietly."""
+    model, optim_args = tiny_llama(), "rank=8" if name.startswith("galore") else ""
+    default = slimopt.optimizers.TERNARY_BETAS[0]
+    with pytest.warns(
+        UserWarning, match=f"{name} runs with adam_beta1=0.9 as given; its own default is {default}"
+    ):
+        optimizer = create_optimizer(model, _args(tmp_path, optim_args=optim_args), name)
+    assert {tuple(group["betas"]) for group in optimizer.param_groups} == {(0.9, 0.999)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer = create_optimizer(model, _args(tmp_path, optim_args=optim_args, adam_beta1=default), name)
+    assert {tuple(group["betas"]) for group in optimizer.param_groups} == {(default, 0.999)}
 
 
 @pytest.mark.parametrize(

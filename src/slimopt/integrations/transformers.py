@@ -17,12 +17,13 @@ attention and MLP linear layers are projected (every linear layer but the output
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch import nn
 
 from slimopt.layerwise import LayerwiseHandle, check_refresh_from, layerwise
-from slimopt.optimizers import GaLoreAdafactor, GaLoreOptimizer
+from slimopt.optimizers import TERNARY_BETAS, AdamWTernary, GaLoreAdafactor, GaLoreOptimizer
 from slimopt.registry import (
     HF_NAMES,
     OPTIMIZERS,
@@ -125,6 +126,15 @@ def create_optimizer(
         hyper |= {"scale_parameter": False, "relative_step": False, "warmup_init": False}
     else:
         hyper |= {"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+    if issubclass(OPTIMIZERS[base].cls, AdamWTernary) and args.adam_beta1 != TERNARY_BETAS[0]:
+        # TrainingArguments cannot say whether adam_beta1 was chosen or left at 0.9: it is used.
+        warnings.warn(
+            f"{base} runs with adam_beta1={args.adam_beta1} as given; its own default is "
+            f"{TERNARY_BETAS[0]}: at 0.9 a ternary first moment's rounding noise cost 6-10% of "
+            "pretraining loss against fp32 AdamW (docs/results/ternary.md). Set "
+            f"adam_beta1={TERNARY_BETAS[0]} to follow it.",
+            stacklevel=2,
+        )
     rank = options.pop("rank", None)
     return build_optimizer(
         model,
