@@ -36,16 +36,19 @@ import slimopt
 from benchmarks.architectures import learning_rates, relative, sweep, tasks
 from slimopt.codecs import moment_codec, ternary
 
+# AdamW's betas, which adamw_ternary took until issue 29 chose β₁ = 0.7: the variants that mean
+# the ternary format as it was pin them.
+OLD_BETAS = (0.9, 0.999)
+
 # (label, registry name, options): every variant of one row gets the same sweep as its family.
 VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("adamw (fp32)", "adamw", {}),
     ("int8", "adamw8bit", {}),
-    # adamw_ternary's β₁ was 0.9 before issue 29 chose 0.5: "ternary" is that format at 0.9.
-    ("ternary", "adamw_ternary", {"betas": (0.9, 0.999)}),
+    ("ternary", "adamw_ternary", {"betas": OLD_BETAS}),
     ("ternary first moment only", "adamw", {"states": "ternary/fp32"}),
     ("factored second moment only", "adamw", {"states": "fp32/ternary"}),
-    ("ternary, blocks of 4", "adamw_ternary", {"block_size": 4, "betas": (0.9, 0.999)}),
-    ("ternary, blocks of 32", "adamw_ternary", {"block_size": 32, "betas": (0.9, 0.999)}),
+    ("ternary, blocks of 4", "adamw_ternary", {"block_size": 4, "betas": OLD_BETAS}),
+    ("ternary, blocks of 32", "adamw_ternary", {"block_size": 32, "betas": OLD_BETAS}),
     ("no momentum, factored second moment", "adamw", {"states": "fp32/ternary", "betas": (0.0, 0.999)}),
     # Rounding noise accumulates through β₁ (variance × 1 / (1 − β₁²)): a shorter average keeps less.
     ("ternary, β₁ = 0.8", "adamw_ternary", {"betas": (0.8, 0.999)}),
@@ -56,10 +59,10 @@ VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("int4 first moment, factored second", "adamw", {"states": "int4/ternary"}),
     ("adamw (fp32), β₁ = 0.5", "adamw", {"betas": (0.5, 0.999)}),
     # Round-to-nearest instead of stochastic rounding (``round_to_nearest``: every draw fixed at 0.5).
-    ("ternary, round-to-nearest", "adamw_ternary", {"betas": (0.9, 0.999), "fused": False}),
+    ("ternary, round-to-nearest", "adamw_ternary", {"betas": OLD_BETAS, "fused": False}),
     ("ternary, β₁ = 0.5, round-to-nearest", "adamw_ternary", {"betas": (0.5, 0.999), "fused": False}),
     ("galore_adamw (fp32)", "galore_adamw", {}),
-    ("galore ternary", "galore_adamw_ternary", {"betas": (0.9, 0.999)}),
+    ("galore ternary", "galore_adamw_ternary", {"betas": OLD_BETAS}),
     ("galore ternary first moment only", "galore_adamw", {"states": "ternary/fp32"}),
     ("galore factored second moment only", "galore_adamw", {"states": "fp32/ternary"}),
     ("galore ternary, β₁ = 0.7", "galore_adamw_ternary", {"betas": (0.7, 0.999)}),
@@ -175,13 +178,17 @@ def shadow(steps: int, lr: float, batch_size: int, beta1: float = 0.9) -> list[d
     return records
 
 
+def _encoded(value: torch.Tensor) -> torch.Tensor:
+    """``value`` after one ternary encoding and decoding (the first moment's codec for its shape)."""
+    codec = moment_codec("ternary", "linear", value.shape)
+    return codec.decode(codec.encode(value, torch.Generator().manual_seed(0)), value.shape)
+
+
 def _round_to_nearest(value: torch.Tensor) -> torch.Tensor:
     """``value`` rounded to the nearest of -s, 0, +s, with s the ternary format's scale of each
-    element (decoding the stored scales with every digit set to +1: byte 242 = digits 2, 2, 2, 2, 2)."""
-    codec = moment_codec("ternary", "linear", value.shape)
-    stored = codec.encode(value, torch.Generator().manual_seed(0))
-    scale = codec.decode({**stored, "trits": torch.full_like(stored["trits"], 242)}, value.shape)
-    return torch.where(value.abs() > scale / 2, value.sign() * scale, 0.0)
+    element: one encoding under ``round_to_nearest``."""
+    with round_to_nearest():
+        return _encoded(value)
 
 
 def _hadamard_rotation(size: int = 8) -> torch.Tensor:
@@ -200,8 +207,7 @@ def _encoded_rotated(value: torch.Tensor) -> torch.Tensor:
     rows = value.shape[0]
     padded = torch.cat([value, value.new_zeros(-rows % 8, value.shape[1])])
     blocks = torch.einsum("ij,bjc->bic", rotation, padded.view(-1, 8, value.shape[1])).reshape(padded.shape)
-    codec = moment_codec("ternary", "linear", padded.shape)
-    decoded = codec.decode(codec.encode(blocks, torch.Generator().manual_seed(0)), padded.shape)
+    decoded = _encoded(blocks)
     back = torch.einsum("ji,bjc->bic", rotation, decoded.view(-1, 8, value.shape[1])).reshape(padded.shape)
     return back[:rows]
 
@@ -212,11 +218,10 @@ def _errors(optimizer: Any, names: dict, shadows: dict, nearest: dict) -> dict[s
     shadow (what the format loses without accumulation), plain and after a Hadamard rotation."""
     sums: dict[str, dict[str, float]] = {}
     for param, moment in shadows.items():
-        codec = moment_codec("ternary", "linear", param.shape)
         estimates = {
             "accumulated": slimopt.decoded_state(optimizer, param)["exp_avg"],
             "nearest_accumulated": nearest[param],
-            "one_encoding": codec.decode(codec.encode(moment, torch.Generator().manual_seed(0)), param.shape),
+            "one_encoding": _encoded(moment),
             "one_encoding_rotated": _encoded_rotated(moment),
         }
         total = sums.setdefault(_layer_kind(names[param]), dict.fromkeys([*estimates, "norm"], 0.0))

@@ -69,7 +69,7 @@ def test_a_golden_checkpoint_loads_and_continues_identically(run: GoldenRun) -> 
 def test_a_checkpoint_saved_before_a_default_changed_continues_with_its_own_hyperparameters(
     run: GoldenRun,
 ) -> None:
-    """The ternary optimizers' default β₁ went from 0.9 to 0.5 after their golden checkpoints
+    """The ternary optimizers' default β₁ went from 0.9 to 0.7 after their golden checkpoints
     were saved: an optimizer built with today's defaults takes 0.9 back from the checkpoint, as
     ``torch.optim`` does, and continues the old run bit for bit."""
     saved = torch.load(golden_runs.file_of(run), weights_only=True)

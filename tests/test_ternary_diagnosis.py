@@ -42,6 +42,11 @@ def test_round_to_nearest_takes_the_nearest_of_minus_s_zero_and_s() -> None:
         ]
     assert torch.equal(decoded[0], decoded[1])  # no draws left
     assert torch.equal(decoded[0], ternary_diagnosis._round_to_nearest(value))
+    # Independently: each element's scale s is what its stored scales decode to with every digit
+    # +1 (byte 242 = digits 2, 2, 2, 2, 2); the nearest of -s, 0, +s is ±s above s/2, else 0.
+    stored = codec.encode(value, torch.Generator().manual_seed(0))
+    scale = codec.decode({**stored, "trits": torch.full_like(stored["trits"], 242)}, value.shape)
+    assert torch.equal(decoded[0], torch.where(value.abs() > scale / 2, value.sign() * scale, 0.0))
     nonzero = decoded[0] != 0
     scale = decoded[0].abs()[nonzero]
     assert (value.abs()[nonzero] > scale / 2).all() and (
