@@ -14,9 +14,10 @@ from torch import Tensor
 
 from slimopt.rules.adafactor import AdafactorRule
 from slimopt.rules.adamw import AdamWRule
+from slimopt.rules.lion import LionRule
 from slimopt.rules.taco import TACORule
 
-__all__ = ["RULES", "AdafactorRule", "AdamWRule", "TACORule", "UpdateRule"]
+__all__ = ["RULES", "AdafactorRule", "AdamWRule", "LionRule", "TACORule", "UpdateRule"]
 
 
 class UpdateRule(Protocol):
@@ -51,4 +52,9 @@ class UpdateRule(Protocol):
 
 
 # A param group's ``rule`` (None: its optimizer's own) by name.
-RULES: dict[str, UpdateRule] = {"adamw": AdamWRule(), "adafactor": AdafactorRule(), "taco": TACORule()}
+RULES: dict[str, UpdateRule] = {
+    "adamw": AdamWRule(),
+    "adafactor": AdafactorRule(),
+    "lion": LionRule(),
+    "taco": TACORule(),
+}

@@ -1,0 +1,54 @@
+"""Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): a sign of
+momentum, one moment per parameter.
+
+The direction is ``sign(β₁·m + (1 − β₁)·g)``, every element ±1 (0 where the interpolation is 0);
+the moment then moves to ``β₂·m + (1 − β₂)·g``. Weight decay is decoupled, as in AdamW (the
+optimizer shell applies it). Its step is the learning rate per element whatever the gradient's
+size, so its rates are 3–10 times AdamW's smaller (the paper's advice, and bitsandbytes').
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from slimopt.checks import number, number_error
+
+
+class LionRule:
+    """Lion's moment and direction ``sign(lerp(m, g, 1 − β₁))``."""
+
+    moment_kinds: ClassVar[dict[str, str]] = {"exp_avg": "linear"}
+    elementwise: ClassVar[bool] = True
+    fused: ClassVar[str | None] = None
+    # The paper's defaults (and bitsandbytes' and lion-pytorch's).
+    defaults: ClassVar[dict[str, Any]] = {"betas": (0.9, 0.99)}
+
+    def validate(self, group: dict[str, Any]) -> list[str]:
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            errors = [f"betas must be a pair of floats in [0, 1], got {betas!r}"]
+        else:
+            # β = 1 is meaningful here (β₁ = 1: the sign of the moment alone), unlike in Adam.
+            errors = [
+                f"betas[{i}] must be in [0, 1], got {beta!r}"
+                for i, beta in enumerate(betas)
+                if number(beta) is None or not 0.0 <= beta <= 1.0
+            ]
+        if group["lr"] is None:
+            return [*errors, "lr is required: Lion has no relative step size (lr=None)"]
+        return errors + number_error("lr", group["lr"])
+
+    def init_state(self, grad: Tensor, group: dict[str, Any], *, projected: bool) -> dict[str, Tensor]:
+        return {"exp_avg": grad.new_zeros(grad.shape)}
+
+    def direction(self, grad: Tensor, state: dict[str, Tensor], age: int, group: dict[str, Any]) -> Tensor:
+        beta1, beta2 = group["betas"]
+        exp_avg = state["exp_avg"]
+        direction = exp_avg.lerp(grad, 1 - beta1).sign_()
+        exp_avg.lerp_(grad, 1 - beta2)
+        return direction
+
+    def step_size(self, group: dict[str, Any], weights: Tensor, step: int) -> float:
+        return group["lr"]
