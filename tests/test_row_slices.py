@@ -13,6 +13,7 @@ from slimopt.codecs import rows as row_storage
 from slimopt.codecs import slicing
 from slimopt.codecs.slicing import SLICE_NUMEL
 from slimopt.memory import LiveBytes
+from slimopt.optimizers import TERNARY_BETAS
 
 from .support import gradient, relative_error, step_on_gradients
 
@@ -139,3 +140,33 @@ def test_a_small_last_slice_keeps_the_matrix_storage_format(states) -> None:
         _expected_bytes(states, rows, cols), rel=2e-3
     )
     assert torch.isfinite(param).all()
+
+
+def test_stacked_experts_ternary_moments_are_scaled_by_rows_and_columns_whole_or_sliced(
+    small_slices, monkeypatch
+) -> None:
+    """A 3-D moment (experts × rows × columns) is scaled as its experts' rows and columns
+    (``slimopt.codecs.ternary.scaled_shape``), whether it is stored whole or by slices of
+    experts; its second moment is factored per expert either way."""
+    experts, rows, cols = 4, 32, 128  # 16384 elements: slices of 4096 are one expert each
+
+    def first_step(slice_numel: int) -> tuple[dict, torch.Tensor]:
+        monkeypatch.setattr(slicing, "SLICE_NUMEL", slice_numel)
+        row_storage.row_sliced_storage.cache_clear()
+        torch.manual_seed(0)
+        weight = torch.randn(experts, rows, cols, requires_grad=True)
+        optimizer = AdamWTernary([weight], lr=1e-3)
+        weight.grad = gradient(0, (experts, rows, cols))
+        optimizer.step()
+        return optimizer.state[weight], weight.grad
+
+    whole, grad = first_step(1 << 30)
+    sliced, _ = first_step(4096)
+    for state, slices in ((whole, 1), (sliced, experts)):
+        assert state["exp_avg.row"].numel() == experts * rows
+        assert state["exp_avg.col"].numel() == cols * slices
+        assert state["exp_avg_sq.row"].numel() == experts * rows  # factored: a mean per row …
+        assert state["exp_avg_sq.col"].numel() == experts * cols  # … and per column of each expert
+    # Row scales are the first moment's row maxima, (1 − β₁)·|g| at the first step.
+    expected = ((1 - TERNARY_BETAS[0]) * grad).abs().amax(dim=2).flatten()
+    assert torch.allclose(whole["exp_avg.row"], expected) and torch.allclose(sliced["exp_avg.row"], expected)

@@ -238,6 +238,55 @@ def test_ternary_moments_of_the_element_order_layout_are_refused() -> None:
         loader.load_state_dict(state_dict)
 
 
+@pytest.mark.parametrize("shape", [(4, 48, 64), (40, 48, 8)])
+def test_stacked_ternary_moments_scaled_per_expert_are_refused(monkeypatch, shape) -> None:
+    """A 3-D ternary moment saved with one scale per expert (shape[0] × rest, before stacked
+    experts were scaled by their rows and columns) would decode wrongly, or lose its moment:
+    loading names it and the way to carry it over. Today's layout of the same loads."""
+    from slimopt.codecs import ternary
+    from slimopt.codecs.slicing import matrix_shape
+
+    def saved_state_dict() -> dict:
+        torch.manual_seed(0)
+        weight = torch.randn(shape, requires_grad=True)
+        optimizer = AdamWTernary([weight], lr=1e-3)
+        weight.grad = torch.randn(shape)
+        optimizer.step()
+        return roundtrip(optimizer.state_dict())
+
+    today = saved_state_dict()
+    with monkeypatch.context() as patch:
+        patch.setattr(ternary, "scaled_shape", matrix_shape)
+        before = saved_state_dict()
+    assert {key: v.shape for key, v in before["state"][0].items() if torch.is_tensor(v)} != {
+        key: v.shape for key, v in today["state"][0].items() if torch.is_tensor(v)
+    }
+    AdamWTernary([torch.zeros(shape, requires_grad=True)], lr=1e-3).load_state_dict(today)
+    loader = AdamWTernary([torch.zeros(shape, requires_grad=True)], lr=1e-3)
+    message = r"'exp_avg' was saved in the layout of stacked experts .*states='fp32'"
+    with pytest.raises(ValueError, match=message):
+        loader.load_state_dict(before)
+
+
+def test_stacked_second_moments_saved_as_int4_slices_are_refused() -> None:
+    """A large stack of experts stored by slices kept an int4 second moment under ternary states
+    (the slices were E × (m·n) matrices); today each expert's is factored, so int4 codes saved
+    under ternary states are that earlier layout and are refused. int4 chosen as such loads."""
+    shape = (4, 48, 64)
+    weight = torch.randn(shape, requires_grad=True)
+    saved = GaLoreAdamW([weight], lr=1e-3, states="fp32/int4")
+    weight.grad = torch.randn(shape)
+    saved.step()
+    state_dict = roundtrip(saved.state_dict())
+    GaLoreAdamW([torch.zeros(shape, requires_grad=True)], lr=1e-3, states="fp32/ternary").load_state_dict(
+        roundtrip(saved.state_dict())
+    )
+    state_dict["param_groups"][0]["states"] = "fp32/ternary"
+    loader = GaLoreAdamW([torch.zeros(shape, requires_grad=True)], lr=1e-3, states="fp32/ternary")
+    with pytest.raises(ValueError, match=r"'exp_avg_sq' was saved in the layout of stacked experts"):
+        loader.load_state_dict(state_dict)
+
+
 def test_a_state_dict_with_more_param_groups_is_refused_as_torch_refuses_it() -> None:
     """torch.optim raises for a different number of groups; slimopt used to drop the extra
     group silently and keep its state as a stray entry."""

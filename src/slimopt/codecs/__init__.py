@@ -19,7 +19,8 @@ second moment ("square", non-negative), and on its size.
 moment ternary, the second fp32). Moments with fewer than ``MIN_COMPRESSED_NUMEL`` elements stay
 fp32. Ternary row and column
 statistics cost 4 bytes per row (column), so they are kept only along dimensions of at least 32
-(``slimopt.codecs.ternary.scale_layout``): a 1×n or n×1 matrix costs what a vector does.
+(``slimopt.codecs.ternary.scale_layout``): a 1×n or n×1 matrix costs what a vector does. A 3-D
+moment (stacked experts) is scaled as its (experts·rows) × columns matrix and factored per expert.
 """
 
 from slimopt.codecs.base import Codec, state_key

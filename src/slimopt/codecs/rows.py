@@ -18,21 +18,25 @@ import torch
 from torch import Tensor
 
 from slimopt.codecs.choose import moment_codec
-from slimopt.codecs.slicing import row_slices
+from slimopt.codecs.slicing import matrix_shape, row_slices
 
 
 @cache
-def row_sliced_storage(
-    states: str, kind: str, rows: int, cols: int, block_size: int | None
-) -> RowSlicedStorage:
-    """The (cached) layout of a moment of a ``rows``×``cols`` matrix stored by slices of rows."""
-    return RowSlicedStorage(states, kind, rows, cols, block_size)
+def row_sliced_storage(states: str, kind: str, shape: torch.Size, block_size: int | None) -> RowSlicedStorage:
+    """The (cached) layout of a moment of a tensor of ``shape`` stored by slices of rows."""
+    return RowSlicedStorage(states, kind, shape, block_size)
 
 
 class RowSlicedStorage:
-    """Where each slice's parts live inside the flat stored tensors of one moment."""
+    """Where each slice's parts live inside the flat stored tensors of one moment.
 
-    def __init__(self, states: str, kind: str, rows: int, cols: int, block_size: int | None) -> None:
+    A slice of a tensor of more than two dimensions keeps them (rows × the rest of the shape)
+    when it is encoded, so a codec that reads structure within a row (ternary and factored
+    moments of stacked experts: ``slimopt.codecs.ternary.scaled_shape``) stores each slice as it
+    stores a whole tensor of that shape; values go in and come out as rows × cols matrices."""
+
+    def __init__(self, states: str, kind: str, shape: torch.Size, block_size: int | None) -> None:
+        rows, cols = matrix_shape(shape)
         self.slices = row_slices(rows, cols)
         self.codecs = []
         self.layout: list[dict[str, tuple[int, torch.Size]]] = []  # per slice: part -> (offset, shape)
@@ -41,16 +45,19 @@ class RowSlicedStorage:
         self.shape = torch.Size((rows, cols))
         per_element: dict[str, bool] = {}
         for rows_slice in self.slices:
-            shape = torch.Size((rows_slice.stop - rows_slice.start, cols))
-            codec = moment_codec(states, kind, shape, block_size)
-            parts = _part_shapes(codec, shape)
+            slice_shape = torch.Size((rows_slice.stop - rows_slice.start, *shape[1:]))
+            codec = moment_codec(states, kind, slice_shape, block_size)
+            parts = _part_shapes(codec, slice_shape)
             entry = {}
             for part, (part_shape, dtype) in parts.items():
-                per_element[part] = per_element.get(part, True) and part_shape == shape
+                is_per_element = part_shape == slice_shape
+                per_element[part] = per_element.get(part, True) and is_per_element
+                if is_per_element:  # read and written as the slice's rows × cols, as values are
+                    part_shape = torch.Size((slice_shape[0], cols))
                 entry[part] = (self.sizes.get(part, 0), part_shape)
                 self.sizes[part] = self.sizes.get(part, 0) + part_shape.numel()
                 self.dtypes[part] = dtype
-            self.codecs.append((codec, shape))
+            self.codecs.append((codec, slice_shape))
             self.layout.append(entry)
         self.per_element = {part for part, every in per_element.items() if every}
 
@@ -88,20 +95,20 @@ class RowSlicedStorage:
         }
 
     def decode(self, stored: dict[str, Tensor], index: int) -> Tensor:
-        """The fp32 moment of slice ``index``."""
+        """The fp32 moment of slice ``index``, rows × cols."""
         codec, shape = self.codecs[index]
-        return codec.decode(self.parts(stored, index), shape)
+        return codec.decode(self.parts(stored, index), shape).view(shape[0], -1)
 
     def encode(
         self, stored: dict[str, Tensor], index: int, value: Tensor, generator: torch.Generator | None
     ) -> None:
         """Encode slice ``index`` of the moment into ``stored`` in place."""
-        codec, _ = self.codecs[index]
-        for part, encoded in codec.encode(value, generator).items():
+        codec, shape = self.codecs[index]
+        for part, encoded in codec.encode(value.reshape(shape), generator).items():
             offset, part_shape = self.layout[index][part]
             target = _view(stored[part], offset, part_shape)
             if target.data_ptr() != encoded.data_ptr() or target.device.type == "meta":
-                target.copy_(encoded)
+                target.copy_(encoded.reshape(target.shape))
 
 
 def _view(stored: Tensor, offset: int, shape: torch.Size) -> Tensor:

@@ -72,6 +72,18 @@ def _pad_rows(grid: Tensor, multiple: int) -> Tensor:
 MIN_SCALED_LENGTH = 32
 
 
+def scaled_shape(shape: torch.Size) -> tuple[int, int]:
+    """(rows, columns) of the matrix a ternary moment of ``shape`` is scaled and laid out as. A
+    3-D moment (a mixture of experts' stacked experts × rows × columns, as the factored second
+    moment reads it too) is the (experts·rows) × columns matrix of its experts' rows, so that each
+    row and each column gets a scale as a linear layer's do; ``shape[0] × rest`` would give an
+    expert one scale (fewer than 32 experts: no column scales) and blocks along memory, which
+    trained Mixtral 1.5–2% worse (docs/results/ternary.md). Any other shape: ``matrix_shape``."""
+    if len(shape) == 3:
+        return shape[0] * shape[1], shape[2]
+    return matrix_shape(shape)
+
+
 def grid(rows: int, cols: int) -> tuple[int, int]:
     """The (rows, columns) that blocks and bytes of a rows × cols matrix run down: the matrix
     itself from ``MIN_SCALED_LENGTH`` rows, else one column of all its elements."""
@@ -80,7 +92,7 @@ def grid(rows: int, cols: int) -> tuple[int, int]:
 
 def scale_layout(shape: torch.Size) -> tuple[bool, bool]:
     """(row scale?, column scale?) for a moment of ``shape``; at least one is kept."""
-    rows, cols = matrix_shape(shape)
+    rows, cols = scaled_shape(shape)
     col_scale = rows >= MIN_SCALED_LENGTH
     return cols >= MIN_SCALED_LENGTH or not col_scale, col_scale
 
@@ -98,7 +110,7 @@ class TernaryCodec:
 
     def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         stored: dict[str, Tensor] = {}
-        rows, cols = matrix_shape(value.shape)
+        rows, cols = scaled_shape(value.shape)
         normalized = value.float().reshape(rows, cols).clamp(-FLOAT32_MAX, FLOAT32_MAX)
         if self.row_scale:
             stored["row"] = normalized.abs().amax(dim=1)
@@ -119,7 +131,7 @@ class TernaryCodec:
         return stored
 
     def decode(self, stored: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
-        rows, cols = matrix_shape(shape)
+        rows, cols = scaled_shape(shape)
         grid_rows, grid_cols = grid(rows, cols)
         trits = stored["trits"].view(-1, grid_cols)
         digits = _tables(trits.device)[1].index_select(0, trits.reshape(-1).int())

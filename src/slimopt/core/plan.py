@@ -20,7 +20,7 @@ from torch import Tensor
 from slimopt import kernels
 from slimopt.codecs import Codec, moment_codec
 from slimopt.codecs.rows import RowSlicedStorage, row_sliced_storage
-from slimopt.codecs.slicing import matrix_shape, sliced
+from slimopt.codecs.slicing import sliced
 from slimopt.core.tensors import values
 from slimopt.options import fused_unsupported, is_projected
 from slimopt.rules import UpdateRule
@@ -109,10 +109,11 @@ class Plan:
     def row_storages(self, shape: torch.Size | None = None) -> dict[str, RowSlicedStorage]:
         """The slice-by-slice layout of each moment of a unit updated by slices of rows
         (``shape``: the values' shape, if not this process's: a saved shard's)."""
-        rows, cols = matrix_shape(self.values_shape if shape is None else shape)
         group = self.group
         return {
-            key: row_sliced_storage(group["states"], kind, rows, cols, group["block_size"])
+            key: row_sliced_storage(
+                group["states"], kind, self.values_shape if shape is None else shape, group["block_size"]
+            )
             for key, kind in self.rule.moment_kinds.items()
         }
 
