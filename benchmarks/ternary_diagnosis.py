@@ -68,7 +68,9 @@ VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("adamw (fp32), β₁ = 0.5", "adamw", {"betas": (0.5, 0.999)}),
     # Round-to-nearest instead of stochastic rounding (``round_to_nearest``: every draw fixed at 0.5).
     ("ternary, round-to-nearest", "adamw_ternary", {"betas": OLD_BETAS, "fused": False}),
+    ("ternary, β₁ = 0.8, round-to-nearest", "adamw_ternary", {"betas": (0.8, 0.999), "fused": False}),
     ("ternary, β₁ = 0.7, round-to-nearest", "adamw_ternary", {"betas": (0.7, 0.999), "fused": False}),
+    ("ternary, β₁ = 0.6, round-to-nearest", "adamw_ternary", {"betas": (0.6, 0.999), "fused": False}),
     ("ternary, β₁ = 0.5, round-to-nearest", "adamw_ternary", {"betas": (0.5, 0.999), "fused": False}),
     # Lion (sign of momentum; one moment, which ternary stores in 0.325 bytes/param), with its
     # paper's betas and a shorter moment average, at AdamW's rates: at these sizes and lengths
@@ -87,6 +89,11 @@ VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("galore factored second moment only", "galore_adamw", {"states": "fp32/ternary"}),
     ("galore ternary, β₁ = 0.7", "galore_adamw_ternary", {"betas": (0.7, 0.999)}),
     ("galore ternary, β₁ = 0.5", "galore_adamw_ternary", {"betas": (0.5, 0.999)}),
+    (
+        "galore ternary, β₁ = 0.7, round-to-nearest",
+        "galore_adamw_ternary",
+        {"betas": (0.7, 0.999), "fused": False},
+    ),
 ]
 
 
