@@ -167,7 +167,8 @@ NOISE_BOUNDS = {"bf16": 2.0**-16, "ternary": 1.0}
 
 @pytest.mark.parametrize("states", ["ternary", "bf16"])
 @pytest.mark.parametrize("name", SAMPLES)
-@pytest.mark.parametrize("shape", [SHAPE, torch.Size((SHAPE.numel(),))])
+# The matrix, a vector, and a stack of 4 experts (scaled by their rows and columns).
+@pytest.mark.parametrize("shape", [SHAPE, torch.Size((SHAPE.numel(),)), torch.Size((4, 24, 160))])
 def test_stochastic_rounding_is_unbiased(states, name, shape) -> None:
     """The mean of N encodes is within 6 standard errors of the value, element by element:
     rounding to neighbours a step q apart has a standard deviation of at most q/2. The noise,

@@ -170,3 +170,23 @@ def test_stacked_experts_ternary_moments_are_scaled_by_rows_and_columns_whole_or
     # Row scales are the first moment's row maxima, (1 − β₁)·|g| at the first step.
     expected = ((1 - TERNARY_BETAS[0]) * grad).abs().amax(dim=2).flatten()
     assert torch.allclose(whole["exp_avg.row"], expected) and torch.allclose(sliced["exp_avg.row"], expected)
+
+
+@pytest.mark.parametrize("slice_numel", [4096, 1 << 30])
+def test_stacked_experts_ternary_moments_resume_bit_exact(small_slices, monkeypatch, slice_numel) -> None:
+    monkeypatch.setattr(slicing, "SLICE_NUMEL", slice_numel)
+    row_storage.row_sliced_storage.cache_clear()
+    shape = (4, 32, 128)
+    torch.manual_seed(0)
+    weight = torch.randn(shape, requires_grad=True)
+    optimizer = AdamWTernary([weight], lr=1e-2)
+    step_on_gradients([weight], optimizer, range(3))
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    copy = weight.detach().clone().requires_grad_()
+    resumed = AdamWTernary([copy], lr=1e-2)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    step_on_gradients([weight], optimizer, range(3, 6))
+    step_on_gradients([copy], resumed, range(3, 6))
+    assert torch.equal(weight, copy)
