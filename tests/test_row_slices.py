@@ -190,3 +190,14 @@ def test_stacked_experts_ternary_moments_resume_bit_exact(small_slices, monkeypa
     step_on_gradients([weight], optimizer, range(3, 6))
     step_on_gradients([copy], resumed, range(3, 6))
     assert torch.equal(weight, copy)
+
+
+def test_a_sliced_convolution_kernel_keeps_its_matrix_slices(small_slices) -> None:
+    """A 4-D kernel (out × in × kh × kw) is sliced as out × (in·kh·kw) matrices, as before
+    stacked experts kept their dimensions: slices of 32 × 128 factor their second moment."""
+    weight = torch.randn(128, 8, 4, 4, requires_grad=True)
+    optimizer = AdamWTernary([weight], lr=1e-3)
+    weight.grad = torch.randn(128, 8, 4, 4)
+    optimizer.step()
+    state = optimizer.state[weight]
+    assert state["exp_avg_sq.row"].numel() == 128 and state["exp_avg_sq.col"].numel() == 4 * 128

@@ -30,10 +30,11 @@ def row_sliced_storage(states: str, kind: str, shape: torch.Size, block_size: in
 class RowSlicedStorage:
     """Where each slice's parts live inside the flat stored tensors of one moment.
 
-    A slice of a tensor of more than two dimensions keeps them (rows × the rest of the shape)
-    when it is encoded, so a codec that reads structure within a row (ternary and factored
-    moments of stacked experts: ``slimopt.codecs.ternary.scaled_shape``) stores each slice as it
-    stores a whole tensor of that shape; values go in and come out as rows × cols matrices."""
+    A slice of a 3-D tensor (stacked experts) keeps its three dimensions when it is encoded, so
+    the codecs that read an expert's rows and columns (ternary and factored moments:
+    ``slimopt.codecs.ternary.scaled_shape``) store each slice as they store a whole stack; values
+    go in and come out as rows × cols matrices. Other tensors are sliced as rows × cols matrices.
+    """
 
     def __init__(self, states: str, kind: str, shape: torch.Size, block_size: int | None) -> None:
         rows, cols = matrix_shape(shape)
@@ -45,7 +46,8 @@ class RowSlicedStorage:
         self.shape = torch.Size((rows, cols))
         per_element: dict[str, bool] = {}
         for rows_slice in self.slices:
-            slice_shape = torch.Size((rows_slice.stop - rows_slice.start, *shape[1:]))
+            inner = shape[1:] if len(shape) == 3 else (cols,)
+            slice_shape = torch.Size((rows_slice.stop - rows_slice.start, *inner))
             codec = moment_codec(states, kind, slice_shape, block_size)
             parts = _part_shapes(codec, slice_shape)
             entry = {}
