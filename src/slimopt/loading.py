@@ -15,8 +15,7 @@ it. Two kinds of state dict are converted on the way in:
 
 Which parameters are projected, at what rank and on which side cannot change on load (the bases
 and moments would not fit): a difference raises ``ValueError`` naming the group. Ternary moments
-saved before their digits ran down columns (``slimopt.codecs.ternary``) are refused with the way
-to carry them over.
+of a layout slimopt no longer writes are re-encoded or refused (``slimopt.earlier_layouts``).
 """
 
 from __future__ import annotations
@@ -28,9 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slimopt.codecs import moment_formats
-from slimopt.codecs.ternary import MIN_SCALED_LENGTH
-from slimopt.sharding import local_view
+from slimopt.earlier_layouts import carried_over
 
 # The optimizer these functions take: slimopt's shell (``slimopt.core.shell.GaLoreOptimizer``),
 # which calls them, so this module does not import it.
@@ -63,8 +60,7 @@ def prepared(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> dict[str
     groups = zip(state_dict["param_groups"], optimizer.param_groups, strict=True)
     state_dict = {**state_dict, "param_groups": [{**saved, "fused": own["fused"]} for saved, own in groups]}
     check_layout(optimizer, state_dict)
-    check_ternary_layout(optimizer, state_dict)
-    return state_dict
+    return carried_over(optimizer, state_dict)
 
 
 def check_groups(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None:
@@ -250,64 +246,6 @@ def check_layout(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None
                     f"optimizer has {key}={current.get(key)!r}; projection cannot change on load, so "
                     "construct the optimizer as the checkpoint's was"
                 )
-
-
-# How to bring a state dict saved in an earlier ternary layout over: decoded by the slimopt
-# that wrote it, it loads as fp32 moments, which this optimizer encodes in its own layout.
-CARRY_OVER = (
-    "To carry the run over, load it with the slimopt that saved it into an optimizer with "
-    "states='fp32' and save again: this optimizer loads that state dict and encodes its moments "
-    "as ternary"
-)
-
-
-def check_ternary_layout(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None:
-    """Raise ``ValueError`` for ternary moments saved in a layout slimopt no longer writes, where
-    decoding them as today's would be wrong: the element-order layout used before ternary digits
-    ran down columns (parts ``codes`` beside ``exponents``, where ternary moments now have
-    ``trits``), and 3-D moments stored as ``shape[0] × rest`` before stacked experts were scaled
-    by their rows and columns (``slimopt.codecs.ternary.scaled_shape``): a first moment with one
-    scale per expert, or an int4 second moment where each expert's is factored now."""
-    params = iter([p for group in optimizer.param_groups for p in group["params"]])
-    for group in state_dict["param_groups"]:
-        kinds = optimizer.rule_of(group).moment_kinds
-        factored = {key for key, kind in kinds.items() if kind == "square"}
-        factored = factored if moment_formats(group["states"])[1] == "ternary" else set()
-        for param_id in group["params"]:
-            # A projected parameter's moments are matrices of the subspace (each expert's own).
-            shape = local_view(next(params)).shape if "rank" not in group else torch.Size()
-            state = state_dict["state"].get(param_id, {})
-            for key in state:
-                moment = key.removesuffix(".codes")
-                if key != moment and f"{moment}.exponents" in state:
-                    raise ValueError(
-                        f"parameter {param_id}: its ternary moment {moment!r} was saved in the layout "
-                        f"of slimopt before ternary digits ran down columns ({key!r}; now "
-                        f"{moment}.trits). " + CARRY_OVER
-                    )
-                if _scaled_by_expert(state, key, shape, factored):
-                    raise ValueError(
-                        f"parameter {param_id} {tuple(shape)}: its ternary moment {key.split('.')[0]!r} "
-                        "was saved in the layout of stacked experts from before their ternary moments "
-                        "were scaled by their rows and columns (one scale per expert, or int4 where each "
-                        "expert's second moment is factored now). " + CARRY_OVER
-                    )
-
-
-def _scaled_by_expert(state: dict[str, Any], key: str, shape: torch.Size, factored: set[str]) -> bool:
-    """Whether state ``key`` of a parameter whose values have ``shape`` (E × m × n) belongs to a
-    ternary moment stored as the E × (m·n) matrix: today a first moment keeps a row scale per row
-    of each expert (E·m, where that layout kept E) and a column scale per column n (where it kept
-    m·n), and the ``factored`` moments (second moments in the ternary format) of experts of at
-    least 32×32 are factored per expert (a large stack stored by slices had int4 codes there)."""
-    if len(shape) != 3 or shape[1] == 1:  # E × 1 × n: the two layouts are one
-        return False
-    moment, _, part = key.rpartition(".")
-    if f"{moment}.trits" in state:
-        if part == "row":
-            return state[key].numel() == shape[0]
-        return part == "col" and f"{moment}.row" not in state and state[key].numel() == shape[1] * shape[2]
-    return part == "codes" and moment in factored and min(shape[1:]) >= MIN_SCALED_LENGTH
 
 
 def restore_storage(optimizer: GaLoreOptimizer, storage: list[dict[str, Any]]) -> None:
