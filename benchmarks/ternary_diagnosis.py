@@ -72,7 +72,7 @@ VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("ternary, β₁ = 0.7, round-to-nearest", "adamw_ternary", {"betas": (0.7, 0.999), "fused": False}),
     ("ternary, β₁ = 0.6, round-to-nearest", "adamw_ternary", {"betas": (0.6, 0.999), "fused": False}),
     ("ternary, β₁ = 0.5, round-to-nearest", "adamw_ternary", {"betas": (0.5, 0.999), "fused": False}),
-    # Lion (sign of momentum; one moment, which ternary stores in 0.325 bytes/param), with its
+    # Lion (sign of momentum; one moment, which ternary stores in 0.329 bytes/param), with its
     # paper's betas and a shorter moment average, at AdamW's rates: at these sizes and lengths
     # its best rate is AdamW's, not the 3–10 times smaller one the paper advises (1e-3 or more of
     # 3.3e-4, 1e-3, 3.3e-3 on LLaMA).

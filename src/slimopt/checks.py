@@ -35,3 +35,24 @@ def number_error(key: str, value: Any, *, minimum: float = 0.0, strict: bool = F
         return []
     bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
     return [f"{key} must be a finite number {bound}, got {value!r}"]
+
+
+def betas_errors(betas: Any, *, one_allowed: bool = False) -> list[str]:
+    """One message per problem with ``betas``: not a pair, or a member outside [0, 1) ([0, 1]
+    with ``one_allowed``), else none."""
+    interval = "[0, 1]" if one_allowed else "[0, 1)"
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        return [f"betas must be a pair of floats in {interval}, got {betas!r}"]
+    return [
+        f"betas[{i}] must be in {interval}, got {beta!r}"
+        for i, beta in enumerate(betas)
+        if number(beta) is None or not (0.0 <= beta <= 1.0 if one_allowed else 0.0 <= beta < 1.0)
+    ]
+
+
+def required_lr_errors(lr: Any, rule: str) -> list[str]:
+    """One message when ``lr`` is None (``rule`` has no relative step size, as Adafactor has) or
+    not a finite number >= 0, else none."""
+    if lr is None:
+        return [f"lr is required: {rule} has no relative step size (lr=None)"]
+    return number_error("lr", lr)

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from slimopt.checks import number, number_error
+from slimopt.checks import betas_errors, number_error, required_lr_errors
 
 
 class AdamWRule:
@@ -22,20 +22,7 @@ class AdamWRule:
     defaults: ClassVar[dict[str, Any]] = {"betas": (0.9, 0.999), "eps": 1e-8}
 
     def validate(self, group: dict[str, Any]) -> list[str]:
-        errors = []
-        betas = group["betas"]
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            errors.append(f"betas must be a pair of floats in [0, 1), got {betas!r}")
-        else:
-            errors += [
-                f"betas[{i}] must be in [0, 1), got {beta!r}"
-                for i, beta in enumerate(betas)
-                if number(beta) is None or not 0.0 <= beta < 1.0
-            ]
-        if group["lr"] is None:  # Adafactor's relative step size, which AdamW has not
-            errors.append("lr is required: AdamW has no relative step size (lr=None)")
-        else:
-            errors += number_error("lr", group["lr"])
+        errors = betas_errors(group["betas"]) + required_lr_errors(group["lr"], "AdamW")
         return errors + number_error("eps", group["eps"])
 
     def init_state(self, grad: Tensor, group: dict[str, Any], *, projected: bool) -> dict[str, Tensor]:

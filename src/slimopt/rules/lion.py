@@ -4,7 +4,8 @@ momentum, one moment per parameter.
 The direction is ``sign(β₁·m + (1 − β₁)·g)``, every element ±1 (0 where the interpolation is 0);
 the moment then moves to ``β₂·m + (1 − β₂)·g``. Weight decay is decoupled, as in AdamW (the
 optimizer shell applies it). Its step is the learning rate per element whatever the gradient's
-size, so its rates are 3–10 times AdamW's smaller (the paper's advice, and bitsandbytes').
+size, so the paper advises rates 3–10 times smaller than AdamW's; on the small models of
+docs/results/ternary.md AdamW's own rates were best.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from slimopt.checks import number, number_error
+from slimopt.checks import betas_errors, required_lr_errors
 
 
 class LionRule:
@@ -26,19 +27,8 @@ class LionRule:
     defaults: ClassVar[dict[str, Any]] = {"betas": (0.9, 0.99)}
 
     def validate(self, group: dict[str, Any]) -> list[str]:
-        betas = group["betas"]
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            errors = [f"betas must be a pair of floats in [0, 1], got {betas!r}"]
-        else:
-            # β = 1 is meaningful here (β₁ = 1: the sign of the moment alone), unlike in Adam.
-            errors = [
-                f"betas[{i}] must be in [0, 1], got {beta!r}"
-                for i, beta in enumerate(betas)
-                if number(beta) is None or not 0.0 <= beta <= 1.0
-            ]
-        if group["lr"] is None:
-            return [*errors, "lr is required: Lion has no relative step size (lr=None)"]
-        return errors + number_error("lr", group["lr"])
+        # β = 1 is meaningful here (β₁ = 1: the sign of the moment alone), unlike in Adam.
+        return betas_errors(group["betas"], one_allowed=True) + required_lr_errors(group["lr"], "Lion")
 
     def init_state(self, grad: Tensor, group: dict[str, Any], *, projected: bool) -> dict[str, Tensor]:
         return {"exp_avg": grad.new_zeros(grad.shape)}
