@@ -23,7 +23,8 @@ on data that installs offline:
 
 Columns: AdamW in fp32 (the reference), galore_adamw, adamw8bit, adamw_ternary and
 galore_adamw_ternary at the default rank (a quarter of the hidden size; adapters are not
-projected, so LoRA rows have no GaLore columns). Every optimizer gets
+projected, so LoRA rows have no GaLore columns), apollo_adamw (same rank), apollo_mini and taco
+(with ``--optimizers``: APOLLO scales the adapters' gradients too). Every optimizer gets
 the same tuning effort: each of three learning rates, 1e-3, 3e-3 and 1e-2 (GaLore's three times
 those, 3e-3, 9e-3 and 3e-2: its updates are scaled by 0.25), 400 steps of 16 with a 10% linear
 warm-up, gradients clipped at norm 1, no weight decay; the best reported, every value recorded.
@@ -54,7 +55,16 @@ import slimopt
 from slimopt.memory import LiveBytes, state_tensors
 from slimopt.train.corpus import shakespeare_plays
 
-OPTIMIZERS = ("adamw", "galore_adamw", "adamw8bit", "adamw_ternary", "galore_adamw_ternary")
+OPTIMIZERS = (
+    "adamw",
+    "galore_adamw",
+    "adamw8bit",
+    "adamw_ternary",
+    "galore_adamw_ternary",
+    "apollo_adamw",
+    "apollo_mini",
+    "taco",
+)
 LEARNING_RATES = (1e-3, 3e-3, 1e-2)
 GALORE_FACTOR = 3  # GaLore's sweep: 3e-3, 9e-3, 3e-2
 # Goals of issue 14: int8 within 2% and ternary within 4% of AdamW (loss: relative; accuracy:
@@ -386,7 +396,7 @@ def _finetune_tasks(base: Path, regimes: list[str]) -> list[Task]:
         return make
 
     labels = {"full": "full fine-tuning", "lora": "LoRA r16", "qlora": "QLoRA r16 (NF4 base)"}
-    adapters = ("adamw", "adamw8bit", "adamw_ternary")
+    adapters = ("adamw", "adamw8bit", "adamw_ternary", "apollo_adamw", "apollo_mini", "taco")
     rows = []
     for regime in regimes:
         row = _lm_task("llama", f"LLaMA → histories, {labels[regime]}", histories)

@@ -248,10 +248,12 @@ PLANNED = (
 )
 
 
-def plan_lines(batch_size: int = 1, seq_len: int = 256) -> list[str]:
-    """The planner's peak and its terms for TACO (int8 fallback with and without layer-wise
-    updates, ternary fallback) beside AdamW8bit layer-wise, bf16 weights, ``batch_size``×
-    ``seq_len`` tokens."""
+def plan_lines(
+    planned: tuple[tuple[str, dict[str, Any], bool], ...] = PLANNED, batch_size: int = 1, seq_len: int = 256
+) -> list[str]:
+    """The planner's peak and its terms for each (optimizer, options, layer-wise) of ``planned``
+    (TACO's: the int8 fallback with and without layer-wise updates, the ternary fallback, beside
+    AdamW8bit layer-wise), bf16 weights, ``batch_size``×``seq_len`` tokens."""
     from slimopt.planner import plan_memory
 
     lines = [
@@ -261,7 +263,7 @@ def plan_lines(batch_size: int = 1, seq_len: int = 256) -> list[str]:
     ]
     for label, model in PLANNED_MODELS.items():
         vocab = 50272 if label.startswith("OPT") else 32000
-        for optimizer, options, layer_wise in PLANNED:
+        for optimizer, options, layer_wise in planned:
             plan = plan_memory(
                 model,
                 optimizer,

@@ -96,8 +96,8 @@ class Configuration:
 
     def build(self, net: nn.Module, **overrides: Any) -> slimopt.GaLoreOptimizer:
         options = {"lr": self.lr, **self.options, **overrides}
-        if self.projected:
-            options.setdefault("rank", RANK)
+        if self.projected and OPTIMIZERS[self.name].rank is None:
+            options.setdefault("rank", RANK)  # APOLLO-Mini keeps its own rank, 1
         return slimopt.build_optimizer(net, self.name, **options)
 
     def net(self, seed: int = 0, dtype: torch.dtype = torch.float32) -> Net:

@@ -10,9 +10,11 @@ say why in the commit:
 
     .venv/bin/python -m tests.golden_runs
 
-A newly documented import path joins the snapshot without touching the runs:
+A newly documented import path, or a new configuration's runs, join the snapshot without
+touching the runs written before:
 
     .venv/bin/python -m tests.golden_runs --paths
+    .venv/bin/python -m tests.golden_runs --new-runs
 """
 
 from __future__ import annotations
@@ -142,6 +144,12 @@ def train(run: GoldenRun, net: nn.Module, optimizer: torch.optim.Optimizer, step
         optimizer.step()
 
 
+# Options every group gained after runs were written, with their defaults: a group at the
+# default is digested without them (a new option is not a change of numbers).
+ADDED_OPTIONS = {"scale_type": None, "norm_growth_limit": None}
+MISSING = object()
+
+
 def digest(net: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Every parameter and state dict entry as key → [dtype, shape, SHA-256 of its bytes];
     param groups as their JSON text."""
@@ -150,7 +158,11 @@ def digest(net: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     for index, state in state_dict["state"].items():
         for key, value in state.items():
             entries[f"state/{index}/{key}"] = _tensor_digest(value) if torch.is_tensor(value) else repr(value)
-    entries["param_groups"] = json.dumps(state_dict["param_groups"], sort_keys=True, default=repr)
+    groups = [
+        {key: value for key, value in group.items() if ADDED_OPTIONS.get(key, MISSING) != value}
+        for group in state_dict["param_groups"]
+    ]
+    entries["param_groups"] = json.dumps(groups, sort_keys=True, default=repr)
     return entries
 
 
@@ -218,8 +230,19 @@ def generate() -> None:
         "attribute_paths": attribute_paths(paths),
         "runs": {},
     }
+    _write_runs(manifest, RUNS)
+
+
+def add_new_runs() -> None:
+    """Run the golden configurations the snapshot lacks (a new optimizer's) and add them; the
+    runs written before stay as they are."""
+    manifest = json.loads(MANIFEST.read_text())
+    _write_runs(manifest, [run for run in RUNS if run.label not in manifest["runs"]])
+
+
+def _write_runs(manifest: dict[str, Any], runs: list[GoldenRun]) -> None:
     with one_thread():
-        for run in RUNS:
+        for run in runs:
             net = run.net()
             optimizer = run.optimizer(net)
             train(run, net, optimizer, range(FIRST_STEPS))
@@ -244,4 +267,4 @@ def add_documented_paths() -> None:
 
 
 if __name__ == "__main__":
-    add_documented_paths() if sys.argv[1:] == ["--paths"] else generate()
+    {"--paths": add_documented_paths, "--new-runs": add_new_runs}.get(" ".join(sys.argv[1:]), generate)()

@@ -444,7 +444,7 @@ def test_bench_times_slimopt_beside_the_references(tmp_path: Path, capsys) -> No
         "--model",
         "llama_9m",
         "--optimizers",
-        "torch_adamw_foreach,torch_adamw_fused,adamw,adamw8bit",
+        "torch_adamw_foreach,torch_adamw_fused,adamw,adamw8bit,apollo_torch_mini,apollo_mini",
     ]
     argv += ["--batch", "1", "--seq", "16", "--steps", "1", "--warmup", "1", "--json", str(out)]
     assert main(argv) == 0
@@ -452,9 +452,12 @@ def test_bench_times_slimopt_beside_the_references(tmp_path: Path, capsys) -> No
     assert "skipping torch_adamw_fused (CUDA only)" in captured.err
     assert "| optimizer | training step s | optimizer step s | state MiB | peak MiB |" in captured.out
     rows = {row["optimizer"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"torch_adamw_foreach", "adamw", "adamw8bit"}
-    # The same fp32 moments as torch's AdamW; int8 keeps about a quarter of them.
+    assert set(rows) == {"torch_adamw_foreach", "adamw", "adamw8bit", "apollo_torch_mini", "apollo_mini"}
+    # The same fp32 moments as torch's AdamW; int8 keeps about a quarter of them. APOLLO-Mini's
+    # moments and limiter norms are apollo-torch's (whose random matrices, kept in projector
+    # objects, no count sees; slimopt draws them again instead).
     assert rows["adamw"]["state_bytes"] == rows["torch_adamw_foreach"]["state_bytes"]
+    assert rows["apollo_mini"]["state_bytes"] == rows["apollo_torch_mini"]["state_bytes"]
     assert rows["adamw8bit"]["state_bytes"] < 0.3 * rows["adamw"]["state_bytes"]
     assert all(row["step_seconds"] > row["optimizer_step_seconds"] > 0 for row in rows.values())
     assert main(["bench", "--optimizers", "adam_w"]) == 2

@@ -25,10 +25,12 @@ WORLD = 2
 STEPS = 6
 VOCAB = 257  # odd: the embedding and the head split unevenly (129 + 128 rows)
 DIMS = (64, 172, 4, 2)
-NAMES = ["adamw", "galore_adamw", "galore_adamw8bit", "galore_adamw_ternary"]
+NAMES = ["adamw", "galore_adamw", "galore_adamw8bit", "galore_adamw_ternary", "apollo_adamw", "apollo_mini"]
 # Rank 32 keeps the projected moments of the 172×64 MLP matrices above 4096 elements, so the
 # compressed formats are exercised; every basis is on the right (the unsplit side under FSDP2).
 OPTIONS = {"rank": 32, "update_proj_gap": 3, "proj_type": "right"}
+# APOLLO's random projections are redrawn every 3 steps too (APOLLO-Mini keeps its rank, 1).
+APOLLO_OPTIONS = {"apollo_adamw": OPTIONS, "apollo_mini": {"update_proj_gap": 3, "proj_type": "right"}}
 
 
 def _model() -> torch.nn.Module:
@@ -38,9 +40,12 @@ def _model() -> torch.nn.Module:
     return build_llama(DIMS, VOCAB, max_seq_len=32)
 
 
+def _options(name: str) -> dict:
+    return OPTIONS if name.startswith("galore") else APOLLO_OPTIONS.get(name, {})
+
+
 def _optimizer(params_of: torch.nn.Module, name: str) -> slimopt.GaLoreOptimizer:
-    options = OPTIONS if name.startswith("galore") else {}
-    return slimopt.build_optimizer(params_of, name, lr=3e-3, **options)
+    return slimopt.build_optimizer(params_of, name, lr=3e-3, **_options(name))
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -61,14 +66,18 @@ def _single_process(name: str) -> dict[str, torch.Tensor]:
 def _parameters_and_bases(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, torch.Tensor]:
-    """Every parameter whole (gathered from shards), and every right basis under ``key.basis``."""
+    """Every parameter whole (gathered from shards), and every right basis under ``key.basis``
+    (a random projection's as drawn from its seed)."""
     result = {}
+    local = getattr(optimizer, "optim", optimizer)  # ZeRO: the local one
     for key, value in model.named_parameters():
         full = value.full_tensor() if slimopt.sharding.is_sharded(value) else value
         result[key] = full.detach().clone()
-        state = getattr(optimizer, "optim", optimizer).state.get(value, {})  # ZeRO: the local one
+        state = local.state.get(value, {})
         if "basis_right" in state:
             result[f"{key}.basis"] = state["basis_right"].clone()
+        elif "basis_draw" in state:
+            result[f"{key}.basis"] = local.basis(value, local.plan_of(value).group).right.clone()
     return result
 
 
@@ -86,7 +95,7 @@ def _worker(rank: int, port: int, strategy: str, out: str) -> None:
         if strategy == "fsdp2":
             results["refusals"] = _fsdp2_refusals()
             results["split_after_construction"] = _split_after_construction("right")
-            for name in ("adamw", "galore_adamw"):
+            for name in ("adamw", "galore_adamw", "apollo_adamw"):
                 results[f"{name}.layerwise"] = _fsdp2_layerwise_against_stepping(name, rank)
                 results[f"{name}.layerwise_no_sync"] = _fsdp2_layerwise_against_stepping(
                     name, rank, no_sync=True
@@ -168,8 +177,7 @@ def _train_distributed(strategy: str, name: str, rank: int) -> dict[str, torch.T
         optimizer = _optimizer(model, name)
     elif strategy == "zero1":
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        options = OPTIONS if name.startswith("galore") else {}
-        optimizer = slimopt.distributed.zero_redundancy_optimizer(model, name, lr=3e-3, **options)
+        optimizer = slimopt.distributed.zero_redundancy_optimizer(model, name, lr=3e-3, **_options(name))
     else:
         raise ValueError(strategy)
     gathers, computed = 0, [0]
@@ -316,6 +324,8 @@ TOLERANCES = {
     "fsdp2": {"adamw": 1e-5, "galore_adamw": 1e-5, "galore_adamw8bit": 3e-3},
     "zero1": {"adamw": 1e-5, "galore_adamw": 1e-5, "galore_adamw8bit": 1e-3},
 }
+for _tolerances in TOLERANCES.values():  # fp32 moments: reduction order only
+    _tolerances |= {"apollo_adamw": 1e-5, "apollo_mini": 1e-5}
 
 
 @pytest.fixture(scope="module")
@@ -345,11 +355,13 @@ def test_distributed_training_equals_one_process(strategy, references, tmp_path)
             # Every process holds the same basis, the one-process run's, and the optimizer never
             # gathered a gradient or a parameter to find it.
             bases = [key for key in references[name] if key.endswith(".basis")]
-            assert len(bases) == (14 if name.startswith("galore") else 0)
+            assert len(bases) == (0 if name == "adamw" else 14)
             for key in bases:
                 assert torch.equal(first[key], second[key]), key
                 if name == "galore_adamw":
                     torch.testing.assert_close(first[key], references[name][key], atol=1e-3, rtol=0)
+                if name.startswith("apollo"):  # drawn from the seed alike: no communication
+                    assert torch.equal(first[key], references[name][key]), key
             assert int(first["gathers_in_step"]) == 0
         if "resumed_equal" in first:  # ZeRO: consolidate_state_dict, load, continue
             assert bool(first["resumed_equal"]) and bool(second["resumed_equal"])
@@ -367,7 +379,8 @@ def test_distributed_training_equals_one_process(strategy, references, tmp_path)
         # Layer-wise under FSDP2: each hook sees the averaged shard after the reduce-scatter and
         # clips by the whole tensor's norm. adamw sums the same gradients (equal); galore_adamw
         # sums projected micro-batches, P(g1) + P(g2) against P(g1 + g2): fp32 rounding.
-        for name, bound in (("adamw", 0.0), ("galore_adamw", 1e-5)):
+        # apollo_adamw accumulates and clips the whole gradient, as adamw does.
+        for name, bound in (("adamw", 0.0), ("galore_adamw", 1e-5), ("apollo_adamw", 0.0)):
             distance, freed = ranks[0][f"{name}.layerwise"]
             assert distance <= bound and freed == 1.0, (name, distance)
             # No-sync micro-batches: FSDP2 sums the gradient, the hooks see it once: the same sums.
@@ -389,7 +402,7 @@ def test_distributed_training_equals_one_process(strategy, references, tmp_path)
 
 # Distributed checkpoints: FSDP2 runs save and load with torch.distributed.checkpoint; one
 # process writes and reads the same format.
-CHECKPOINT_NAMES = ["galore_adamw", "galore_adamw8bit"]
+CHECKPOINT_NAMES = ["galore_adamw", "galore_adamw8bit", "apollo_adamw"]
 
 
 def _sharded_or_whole(world: int) -> tuple[torch.nn.Module, int]:

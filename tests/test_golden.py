@@ -95,6 +95,7 @@ def test_a_golden_distributed_checkpoint_loads_and_continues_identically(run: Go
 
 
 PUBLIC_NAMES = [
+    "APOLLOAdamW",
     "AdamW4bit",
     "AdamW8bit",
     "AdamWTernary",

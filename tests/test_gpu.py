@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimopt import GaLoreAdafactor, GaLoreAdamW
+from slimopt import APOLLOAdamW, GaLoreAdafactor, GaLoreAdamW
 
 from .support import gradient, relative_error
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("cls", [GaLoreAdamW, GaLoreAdafactor])
+@pytest.mark.parametrize("cls", [GaLoreAdamW, GaLoreAdafactor, APOLLOAdamW])
 @pytest.mark.parametrize("method", ["svd", "subspace"])
 def test_cuda_matches_cpu(cls, method: str) -> None:
     shapes = [(48, 32), (32, 48), (48,)]
@@ -33,6 +33,22 @@ def test_cuda_matches_cpu(cls, method: str) -> None:
         runs[device] = [p.detach().cpu() for p in params]
     for a, b in zip(runs["cpu"], runs["cuda"], strict=True):
         assert relative_error(b, a) <= 1e-4
+
+
+def test_a_random_projection_is_drawn_on_the_device_from_its_seed() -> None:
+    """APOLLO's projection is drawn by a CUDA generator on the parameter's device, the same at
+    every call until its redraw, and the run stays finite."""
+    weight = torch.zeros(256, 64, device="cuda", requires_grad=True)
+    optimizer = APOLLOAdamW([{"params": [weight], "rank": 8, "update_proj_gap": 3}], lr=1e-2)
+    group = optimizer.param_groups[0]
+    for step in range(4):
+        weight.grad = gradient(step, (256, 64)).cuda()
+        optimizer.step()
+        if step == 1:
+            first = optimizer.basis(weight, group).right
+            assert first.device.type == "cuda" and torch.equal(first, optimizer.basis(weight, group).right)
+    assert not torch.equal(first, optimizer.basis(weight, group).right)  # redrawn at step 3
+    assert torch.isfinite(weight).all()
 
 
 def test_planner_predicts_cuda_max_memory_allocated() -> None:

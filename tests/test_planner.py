@@ -56,6 +56,18 @@ CONFIGURATIONS = {
     "galore adamw accumulation": dict(
         model="llama_20m", optimizer="galore_adamw", rank=64, accumulation_steps=2, batch_size=2, seq_len=64
     ),
+    "apollo-mini layer-wise": dict(
+        model="llama_9m", optimizer="apollo_mini", layerwise=True, batch_size=2, seq_len=128
+    ),
+    "apollo int8 accumulation": dict(
+        model="llama_9m",
+        optimizer="apollo_adamw",
+        rank=32,
+        states="int8",
+        accumulation_steps=2,
+        batch_size=2,
+        seq_len=64,
+    ),
     "gqa config, galore adafactor": dict(
         model="gqa", optimizer="galore_adafactor", rank=16, batch_size=2, seq_len=96
     ),

@@ -2,7 +2,8 @@
 
 ``GaLoreAdamW`` and ``GaLoreAdafactor`` are drop-in ``torch.optim`` optimizers (galore-torch's
 param-group convention) with fp32, bf16, int8, int4 or ternary moments (``states=``);
-``TACO`` moves each matrix by one entry per column from a sketch of its gradient history;
+``APOLLOAdamW`` scales the raw gradient by AdamW's moments of a random projection (APOLLO,
+APOLLO-Mini); ``TACO`` moves each matrix by one entry per column from a sketch of its gradient history;
 ``build_optimizer`` configures one for a model by name; ``layerwise`` makes it update inside
 backward; ``state_nbytes`` counts its state, ``decoded_state`` reads a parameter's moments and
 ``describe`` says what it does with each parameter. ``slimopt.distributed`` (DDP's shared
@@ -18,6 +19,7 @@ from slimopt.optimizers import (
     AdamW4bit,
     AdamW8bit,
     AdamWTernary,
+    APOLLOAdamW,
     GaLoreAdafactor,
     GaLoreAdamW,
     GaLoreAdamW8bit,
@@ -28,6 +30,7 @@ from slimopt.registry import available_optimizers, build_optimizer, select_targe
 
 __all__ = [
     "TACO",
+    "APOLLOAdamW",
     "AdamW4bit",
     "AdamW8bit",
     "AdamWTernary",

@@ -361,7 +361,8 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
 def make_config(options: dict[str, Any], optimizer: str | None = None, *, strict: bool = True):
     """A ``TrainConfig`` from resolved options; raises ``ValueError`` naming a bad value.
 
-    ``strict=False`` (compare) lets projection options pass for the optimizers that do not project."""
+    ``strict=False`` (compare) lets projection options pass for the optimizers that do not project,
+    and leaves a name with a rank of its own (``apollo_mini``) at that rank."""
     from slimopt.train.config import TrainConfig
 
     names = {f.name for f in fields(TrainConfig)} - {"optimizer_options", "optimizer"}
@@ -387,6 +388,9 @@ def make_config(options: dict[str, Any], optimizer: str | None = None, *, strict
                 f"{name!r} does not project gradients, so it takes no {flags}; projecting: {galore}"
             )
         extras = {k: v for k, v in extras.items() if k not in projection}
+    if not strict and OPTIMIZERS[name].rank is not None:
+        # A comparison's shared rank is GaLore's; APOLLO-Mini keeps its own (at another it is not Mini).
+        extras.pop("rank", None)
     return TrainConfig(optimizer=name, optimizer_options=extras, **run)
 
 

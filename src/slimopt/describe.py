@@ -1,5 +1,6 @@
 """``describe``: what an optimizer does with each parameter, in words a person can check — which
-weights are projected, at what rank and on which side, how their moments are stored, which
+weights are projected, at what rank and on which side (and, for APOLLO, how the raw gradient is
+scaled), how their moments are stored, which
 update path they take and how many bytes of state each group holds."""
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def describe(optimizer: GaLoreOptimizer, model: nn.Module | None = None, *, para
             if any(split_by_rows(p) for p in params if id(p) in projected):
                 side += " (rows split across processes: the basis is on the unsplit side)"
             settings[:0] = [f"rank {group['rank']}", side]
+            if group["scale_type"] is not None:  # APOLLO
+                limit = group["norm_growth_limit"]
+                growth = "unlimited" if limit is None else f"≤ {limit:g}"
+                settings[2:2] = [
+                    f"{group['proj_method']} projection scaling the raw gradient per {group['scale_type']}"
+                    f" (√scale {group['scale'] ** 0.5:.3g}, norm growth {growth})"
+                ]
         title = group.get("name", f"group {index}")
         count = sum(p.numel() for p in params)
         lines.append(

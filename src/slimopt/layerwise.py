@@ -23,6 +23,9 @@ exist at the same time:
   accumulated one; for a projected matrix its projection, whose norm is at most the full
   gradient's) is scaled to a norm of at most ``max_grad_norm``, as
   ``torch.nn.utils.clip_grad_norm_([p], max_grad_norm)`` would do to that tensor alone.
+- **APOLLO** (a group with ``scale_type``) moves the weights by the raw gradient, scaled: its
+  matrices need their whole gradient at every step, so they accumulate ``.grad`` as unprojected
+  parameters do, and it is the raw gradient that is clipped.
 - **Schedule.** A learning-rate ``scheduler`` given to the handle is stepped once per optimizer
   step, at the end of the k-th backward.
 - **optimizer.step()** is not needed; called anyway it ends the current optimizer step early
@@ -228,7 +231,16 @@ class LayerwiseHandle:
 
     def _step_whole(self, param: Tensor, group: dict[str, Any]) -> None:
         self._accumulating.discard(param)
-        prepared = self.optimizer.gradient_in_space(param, group, local_view(param.grad))
+        raw = local_view(param.grad)
+        if self.optimizer.plan_of(param, group).scales_gradient:
+            # APOLLO moves the weights by the raw gradient: that is what is clipped.
+            raw = self._clip(param, raw)
+            prepared = self.optimizer.gradient_in_space(param, group, raw)
+            if prepared is not None:
+                self.optimizer.apply_update(param, group, *prepared, raw=raw)
+            param.grad = None
+            return
+        prepared = self.optimizer.gradient_in_space(param, group, raw)
         param.grad = None
         if prepared is not None:
             grad, basis = prepared

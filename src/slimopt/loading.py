@@ -39,8 +39,9 @@ STORAGE_KEYS = ("states", "block_size", "basis_states")
 TORCH_ADAM_ONLY = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
 TORCH_ADAM_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 # State that every slimopt parameter keeps whatever its rule: counts, seeds, refresh schedule, basis.
-COUNTERS = ("step", "moment_step", "nonfinite_skips", "seed", "refresh_offset")
-SHELL_KEYS = {*COUNTERS, "basis_left", "basis_right"}
+COUNTERS = ("step", "moment_step", "nonfinite_skips", "seed", "refresh_offset", "basis_draw")
+# APOLLO's: the step a random projection was drawn at, and the norm-growth limiter's last norm.
+SHELL_KEYS = {*COUNTERS, "basis_left", "basis_right", "basis_draw", "limiter_norm"}
 
 
 def is_slimopt_state_dict(state_dict: dict[str, Any]) -> bool:

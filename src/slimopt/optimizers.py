@@ -17,6 +17,7 @@ TERNARY_BETAS = (0.7, 0.999)
 
 __all__ = [
     "TACO",
+    "APOLLOAdamW",
     "AdamW4bit",
     "AdamW8bit",
     "AdamWTernary",
@@ -55,6 +56,28 @@ class GaLoreAdamW(GaLoreOptimizer):
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults, options)
+
+
+class APOLLOAdamW(GaLoreAdamW):
+    """APOLLO (Zhu et al., 2024): AdamW moments of a random rank-r projection of each matrix in a
+    group with ``rank``, used only to scale the raw gradient per channel (``scale_type=
+    "channel"``) or as a whole (``"tensor"``; with rank 1 and ``scale=128``: APOLLO-Mini), with
+    Fira's norm-growth limiter (``norm_growth_limit=1.01``; None: off). As in apollo-torch the
+    projection is redrawn every ``update_proj_gap`` steps with the moments kept, and the update is
+    multiplied by √``scale``. The projection is drawn from its seed whenever it is used, never
+    stored. Groups without ``rank`` are plain AdamW; every option of :class:`GaLoreAdamW` applies
+    (``proj_method="svd"`` is apollo-torch's ``proj="svd"``).
+    """
+
+    projection_defaults: ClassVar[dict[str, Any]] = {
+        "proj_method": "random",
+        "scale_type": "channel",
+        "norm_growth_limit": 1.01,
+        "scale": 1.0,
+        "on_subspace_change": "keep",
+        # A redraw costs nothing to spread, and apollo-torch redraws every matrix at once.
+        "stagger": False,
+    }
 
 
 class GaLoreAdafactor(GaLoreOptimizer):

@@ -22,6 +22,9 @@ from slimopt.rules import UpdateRule
 from slimopt.sharding import placement_error, split_by_rows
 
 SUBSPACE_POLICIES = ("keep", "reset", "rotate")
+# APOLLO: how the rule's direction in the projected space scales the raw gradient (None: it is
+# projected back, as GaLore does; ``slimopt.core.scaling``).
+SCALE_TYPES = (None, "channel", "tensor")
 # How a projection basis is stored: entries of orthonormal vectors lose little to 8 bits.
 BASIS_STATES = ("fp32", "bf16", "int8")
 PROJECTION_DEFAULTS: dict[str, Any] = {
@@ -32,6 +35,9 @@ PROJECTION_DEFAULTS: dict[str, Any] = {
     "on_subspace_change": "rotate",
     "stagger": True,
     "basis_states": "fp32",
+    # APOLLO's gradient scaling and its norm-growth limiter (None: off).
+    "scale_type": None,
+    "norm_growth_limit": None,
     # The first dimension of every parameter indexes independent matrices (a mixture of experts'
     # stacked expert weights): each gets its own basis and moments, as a 2-D parameter would.
     "experts": False,
@@ -79,6 +85,8 @@ def fused_unsupported(rule: UpdateRule, group: dict[str, Any], param: Tensor) ->
         return "ternary states of tensors with more than 2 dimensions have no fused step"
     if param.is_complex():
         return "complex parameters have no fused step"
+    if "rank" in group and group.get("scale_type") is not None and param.dim() >= 2:
+        return "APOLLO's gradient scaling (scale_type) has no fused step"
     if param.dtype not in (torch.float32, torch.bfloat16):
         return f"{param.dtype} parameters have no fused step (fp32 and bf16 only)"
     return None
@@ -162,13 +170,45 @@ def _projection_errors(group: dict[str, Any]) -> list[str]:
         errors.append(f"update_proj_gap must be a positive integer, got {gap!r}")
     errors += number_error("scale", group["scale"], strict=True)
     for key, valid in (
+        ("scale_type", SCALE_TYPES),
         ("proj_type", PROJ_TYPES),
         ("proj_method", PROJ_METHODS),
         ("on_subspace_change", SUBSPACE_POLICIES),
         ("basis_states", BASIS_STATES),
     ):
         if group[key] not in valid:
-            errors.append(f"unknown {key} {group[key]!r}; valid: {', '.join(valid)}")
+            errors.append(f"unknown {key} {group[key]!r}; valid: {', '.join(map(str, valid))}")
+    return errors + _scaling_errors(group)
+
+
+def _scaling_errors(group: dict[str, Any]) -> list[str]:
+    """APOLLO's options, and the combinations of projection options that cannot be exact."""
+    errors = []
+    limit, scale_type = group["norm_growth_limit"], group["scale_type"]
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 1:
+            errors.append(f"norm_growth_limit must be a number >= 1 or None, got {limit!r}")
+        elif scale_type is None:
+            errors.append(
+                "norm_growth_limit limits APOLLO's scaled gradient: set scale_type ('channel' or "
+                "'tensor'), or norm_growth_limit=None"
+            )
+    if scale_type == "channel" and group["proj_type"] == "full":
+        errors.append(
+            "scale_type='channel' scales the unprojected side's channels, but proj_type='full' "
+            "projects both sides; use scale_type='tensor' or a one-sided proj_type"
+        )
+    if group["proj_method"] == "random":
+        if group["on_subspace_change"] == "rotate":
+            errors.append(
+                "proj_method='random' draws an unrelated projection at each refresh, which no "
+                "rotation maps the moments into; use on_subspace_change='keep' (APOLLO's) or 'reset'"
+            )
+        if group["basis_states"] != "fp32":
+            errors.append(
+                f"basis_states={group['basis_states']!r}: proj_method='random' stores no basis (it "
+                "is drawn again from its seed); leave basis_states='fp32'"
+            )
     return errors
 
 
@@ -179,7 +219,7 @@ def _weight_decay_errors(group: dict[str, Any]) -> list[str]:
 def sharding_errors(group: dict[str, Any], rule: UpdateRule, owner: str) -> list[str]:
     """DTensors split by rows are updated shard by shard, which is exact for an elementwise
     rule, and for a projection whose basis is on the unsplit side (right, r×n) found by the
-    subspace method from all-reduced sketches."""
+    subspace method from all-reduced sketches, or drawn alike on every process (random)."""
     errors = [error for p in group["params"] if (error := placement_error(p)) is not None]
     split = [p for p in group["params"] if split_by_rows(p)]
     if errors or not split:
@@ -197,10 +237,11 @@ def sharding_errors(group: dict[str, Any], rule: UpdateRule, owner: str) -> list
             "optimizer under FSDP2"
         ]
     projected = [p for p in split if is_projected(p, group)]
-    if projected and group["proj_method"] != "subspace":
+    if projected and group["proj_method"] == "svd":
         errors.append(
             f"proj_method={group['proj_method']!r} needs whole gradients, but parameters "
-            f"{[tuple(p.shape) for p in projected]} are split by rows; use proj_method='subspace'"
+            f"{[tuple(p.shape) for p in projected]} are split by rows; use proj_method='subspace' "
+            "(or 'random')"
         )
     left = [
         tuple(p.shape)

@@ -5,13 +5,17 @@ A basis has a left factor ``U`` (m×r, orthonormal columns) and/or a right facto
 ``Uᵀ G Vhᵀ`` and an update ``N`` in that space is mapped back with ``U N``, ``N Vh`` or
 ``U N Vh``. Bases are plain tensors, so they serialize with ``weights_only=True``.
 
-Two ways to find the basis of the top-r singular subspace:
+Three ways to find a basis. Two find the top-r singular subspace:
 
 - ``"svd"``: exact ``torch.linalg.svd`` of the gradient in fp32 (galore-torch's behaviour).
 - ``"subspace"``: a Rayleigh-Ritz step on a search space. A warm refresh searches the previous
   basis plus a small power-iterated random sketch of the new gradient, which costs one large
   thin matrix product; a cold one (no basis yet) is a randomized range finder with oversampling
   and power iterations.
+
+The third, ``"random"`` (APOLLO's), ignores the gradient: a Gaussian matrix scaled by 1/√r, so that
+projecting preserves norms on average (E[PᵀP] = I). It is drawn from a seed rather than stored
+(``random_basis``).
 
 Singular vectors are defined only up to sign, and LAPACK, cuSOLVER and iterative methods pick
 different signs. Every basis vector is therefore flipped so that its largest-magnitude entry is
@@ -20,6 +24,7 @@ positive, which makes refreshes reproducible across devices and methods.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Protocol
 
 import torch
@@ -28,7 +33,7 @@ from torch import Tensor
 from slimopt.codecs.slicing import row_slices
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
-PROJ_METHODS = ("subspace", "svd")
+PROJ_METHODS = ("subspace", "svd", "random")
 
 # Cold start of the subspace method: extra random columns and power iterations.
 COLD_OVERSAMPLE = 8
@@ -131,6 +136,27 @@ def rotate(moment: Tensor, old: Basis, new: Basis, *, squared: bool) -> Tensor:
         change = new.right @ old.right.T
         moment = moment @ (change * change if squared else change).T
     return moment
+
+
+def random_basis(
+    shape: tuple[int, int], rank: int, uses: tuple[bool, bool], generator: torch.Generator, like: Tensor
+) -> Basis:
+    """A random projection of a ``shape`` matrix for the sides in ``uses``: Gaussian factors
+    (m×r left, r×n right) scaled by 1/√rank, drawn by ``generator`` on its device and moved to
+    ``like``'s (shapes only on the meta device)."""
+    rows, cols = shape
+    rank = min(rank, rows, cols)
+    factor_shapes = ((rows, rank), (rank, cols))
+    factors = []
+    for used, factor_shape in zip(uses, factor_shapes, strict=True):
+        if not used:
+            factors.append(None)
+        elif like.is_meta:
+            factors.append(like.new_empty(factor_shape, dtype=torch.float32))
+        else:
+            drawn = torch.randn(factor_shape, generator=generator, device=generator.device)
+            factors.append(drawn.div_(math.sqrt(rank)).to(like.device))
+    return Basis(*factors)
 
 
 def canonicalize_signs(vectors: Tensor, dim: int) -> Tensor:

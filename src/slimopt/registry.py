@@ -20,6 +20,7 @@ from slimopt.optimizers import (
     TACO,
     AdamW4bit,
     AdamWTernary,
+    APOLLOAdamW,
     GaLoreAdafactor,
     GaLoreAdamW,
     GaLoreAdamW8bit,
@@ -35,6 +36,8 @@ OPTION_TYPES: dict[str, type] = {
     "scale": float,
     "proj_type": str,
     "proj_method": str,
+    "scale_type": str,
+    "norm_growth_limit": float,
     "on_subspace_change": str,
     "stagger": bool,
     "basis_states": str,
@@ -45,10 +48,14 @@ OPTION_TYPES: dict[str, type] = {
 }
 
 
+# Options that take None, written "none".
+NONE_OPTIONS = ("block_size", "scale_type", "norm_growth_limit")
+
+
 def parse_option(key: str, text: str) -> Any:
     """The value of optimizer option ``key`` (one of ``OPTION_TYPES``) written as ``text``: the
     one reading of option text, for the command line's flags and Hugging Face's ``optim_args``.
-    Booleans are true/false/1/0, ``block_size`` may be none. Raises ``ValueError`` naming the
+    Booleans are true/false/1/0; ``NONE_OPTIONS`` may be none. Raises ``ValueError`` naming the
     key, the text and the type expected."""
     kind = OPTION_TYPES[key]
     if kind is bool:
@@ -56,7 +63,7 @@ def parse_option(key: str, text: str) -> Any:
         if lowered not in ("true", "false", "1", "0"):
             raise ValueError(f"{key}={text!r}: expected true or false")
         return lowered in ("true", "1")
-    if key == "block_size" and text.lower() == "none":
+    if key in NONE_OPTIONS and text.lower() == "none":
         return None
     try:
         return kind(text)
@@ -66,10 +73,13 @@ def parse_option(key: str, text: str) -> Any:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """An optimizer class and whether its selected matrices are projected."""
+    """An optimizer class, whether its selected matrices are projected, and the name's own rank
+    and projection options where the class has no such default (APOLLO-Mini's)."""
 
     cls: type[GaLoreOptimizer]
     projected: bool
+    rank: int | None = None
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
@@ -83,6 +93,10 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "galore_adamw8bit": OptimizerSpec(GaLoreAdamW8bit, projected=True),
     "galore_adamw4bit": OptimizerSpec(AdamW4bit, projected=True),
     "galore_adamw_ternary": OptimizerSpec(AdamWTernary, projected=True),
+    "apollo_adamw": OptimizerSpec(APOLLOAdamW, projected=True),
+    "apollo_mini": OptimizerSpec(
+        APOLLOAdamW, projected=True, rank=1, options=(("scale_type", "tensor"), ("scale", 128.0))
+    ),
     "taco": OptimizerSpec(TACO, projected=False),
 }
 # TACO's fallback for what is not a linear layer's matrix (embeddings, the output head, vectors).
@@ -102,6 +116,7 @@ HF_NAMES: dict[str, str] = {
     "galore_adamw": "galore_adamw",
     "galore_adamw_8bit": "galore_adamw8bit",
     "galore_adafactor": "galore_adafactor",
+    "apollo_adamw": "apollo_adamw",
 }
 
 
@@ -327,7 +342,9 @@ def build_optimizer(
             "experts is not an option of build_optimizer: it puts a mixture of experts' stacked "
             "weights in their own group (projected_experts) with experts=True itself"
         )
-    projection = {key: options.pop(key) for key in list(options) if key in PROJECTION_DEFAULTS}
+    rank = spec.rank if rank is None else rank
+    asked = {key: options.pop(key) for key in list(options) if key in PROJECTION_DEFAULTS}
+    projection = {**dict(spec.options), **asked}  # the name's own options, unless given here
     if not spec.projected and (rank is not None or target_modules is not None or projection):
         given = ["rank"] * (rank is not None) + ["target_modules"] * (target_modules is not None)
         raise ValueError(

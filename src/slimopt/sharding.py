@@ -77,6 +77,15 @@ class RowSharding:
         return int(all_reduce(vote, self.group)) == 0
 
 
+def whole_norm(local: Tensor, sharding: RowSharding | None) -> Tensor:
+    """The fp32 norm of a tensor of which ``local`` is this process's part (all-reduced over the
+    processes that hold the rest when ``sharding`` says it is split)."""
+    squared = torch.linalg.vector_norm(local, dtype=torch.float32).square()
+    if sharding is not None:
+        sharding.all_reduce(squared)
+    return squared.sqrt()
+
+
 def placement_error(param: Tensor) -> str | None:
     """Why slimopt cannot update this DTensor exactly, or None (a plain tensor, a replicated
     one, or one split by rows over a 1-D mesh)."""

@@ -1,5 +1,7 @@
 """A projected unit's basis as its state stores it: the left (m×r) and right (r×n) factors under
-``basis_left`` and ``basis_right``, in the group's ``basis_states`` format."""
+``basis_left`` and ``basis_right``, in the group's ``basis_states`` format; or, for a random
+projection (``proj_method="random"``), only the step it was drawn at (``basis_draw``): it is
+drawn again from its seed whenever it is used, so it costs no memory between updates."""
 
 from __future__ import annotations
 
@@ -11,19 +13,23 @@ import torch
 from slimopt.codecs import moment_codec, state_key
 from slimopt.codecs.slicing import matrix_shape
 from slimopt.core.plan import Plan
-from slimopt.core.seeds import BASIS_STREAM, rounding_seed
-from slimopt.projection import Basis
+from slimopt.core.seeds import BASIS_STREAM, draw_seed, rounding_seed
+from slimopt.projection import Basis, random_basis, sides
 
 BASIS_KEYS = ("basis_left", "basis_right")
+DRAW_KEY = "basis_draw"
 
 
 def is_basis_key(key: str) -> bool:
     """Whether a state key (``basis_left``, ``basis_right.codes``, …) holds part of a basis."""
-    return key.split(".")[0] in BASIS_KEYS
+    return key.split(".")[0] in (*BASIS_KEYS, DRAW_KEY)
 
 
 def basis(plan: Plan, state: MutableMapping[str, Any]) -> Basis | None:
-    """The fp32 basis of a projected unit (decoded from its storage), or None."""
+    """The fp32 basis of a projected unit (decoded from its storage, or drawn from its seed),
+    or None."""
+    if plan.group["proj_method"] == "random":
+        return _drawn(plan, state) if DRAW_KEY in state else None
     factors = []
     for key, shape in zip(BASIS_KEYS, basis_shapes(plan), strict=True):
         codec = moment_codec(plan.group["basis_states"], "linear", shape)
@@ -38,6 +44,19 @@ def basis_shapes(plan: Plan) -> tuple[torch.Size, torch.Size]:
     rows, cols = matrix_shape(plan.shape)
     rank = min(plan.group["rank"], rows, cols)
     return torch.Size((rows, rank)), torch.Size((rank, cols))
+
+
+def draw_basis(plan: Plan, state: MutableMapping[str, Any]) -> None:
+    """Make the random projection of this step the unit's basis from now on."""
+    state[DRAW_KEY] = state["step"]
+
+
+def _drawn(plan: Plan, state: MutableMapping[str, Any]) -> Basis:
+    device = plan.param.device
+    generator = torch.Generator(device="cpu" if device.type == "meta" else device)
+    generator.manual_seed(draw_seed(state, state[DRAW_KEY]))
+    uses = sides(matrix_shape(plan.shape), plan.group["proj_type"])
+    return random_basis(matrix_shape(plan.shape), plan.group["rank"], uses, generator, plan.param)
 
 
 def store_basis(plan: Plan, state: MutableMapping[str, Any], new: Basis) -> None:

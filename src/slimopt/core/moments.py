@@ -14,6 +14,7 @@ from slimopt.codecs import state_key
 from slimopt.codecs.slicing import matrix_shape
 from slimopt.core.basis import is_basis_key
 from slimopt.core.plan import Plan
+from slimopt.core.scaling import LIMITER_KEY
 from slimopt.core.seeds import LOAD_STREAM, rounding_generator
 from slimopt.projection import Basis, projected_shape
 
@@ -90,7 +91,7 @@ def decoded(
         for key, codec in plan.moment_codecs(layout).items():
             moment_parts |= {state_key(key, part) for part in codec.parts}
     for key, value in state.items():  # the rule's own statistics (Adafactor's factored ones)
-        if isinstance(value, Tensor) and key not in moment_parts and not is_basis_key(key):
+        if isinstance(value, Tensor) and key not in moment_parts | {LIMITER_KEY} and not is_basis_key(key):
             moments[key] = value
     return moments
 

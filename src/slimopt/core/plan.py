@@ -82,6 +82,12 @@ class Plan:
         return group is self.group and layout_options(group) == self.options
 
     @property
+    def scales_gradient(self) -> bool:
+        """Whether the update scales the raw gradient by the rule's direction in the projected
+        space (APOLLO, ``scale_type``) rather than projecting that direction back."""
+        return self.projected and self.group["scale_type"] is not None
+
+    @property
     def seed(self) -> int:
         """The unit's own seed: each expert of a stacked parameter draws its own numbers."""
         ordinal = self.place.ordinal

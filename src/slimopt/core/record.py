@@ -1,6 +1,7 @@
 """The record of one update of one unit: what this step brings beside the unit's ``Plan`` (its
-gradient in the basis' space, the basis, the device flag masking a fused step), and what
-``begin`` adds (the fp32 gradient, the storage layout, the rounding generator, the moments' age).
+gradient in the basis' space, the basis, the raw gradient APOLLO scales, the device flag masking
+a fused step), and what ``begin`` adds (the fp32 gradient, the storage layout, the rounding
+generator, the moments' age).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import Tensor
 from slimopt.core.moments import encode
 from slimopt.core.plan import Plan
 from slimopt.core.seeds import rounding_generator
+from slimopt.core.tensors import as_matrix
 from slimopt.core.units import advance
 from slimopt.projection import Basis
 
@@ -28,12 +30,25 @@ class Update:
     state: MutableMapping[str, Any]
     grad: Tensor  # in the basis' space (the unit's own without a basis)
     basis: Basis | None
+    # The unit's own gradient as a matrix, kept beside the projected one where the group scales
+    # it (APOLLO, ``slimopt.core.scaling``); else None.
+    raw: Tensor | None = None
     # Whether the gradient is finite: a host bool, or a flag on the device (see ``decisions``).
     verdict: bool | Tensor = True
     keep: Tensor | None = None  # the device flag the fused step masks its writes by
     layout: torch.Size = field(default_factory=torch.Size)
     generator: torch.Generator | None = None
     age: int = 0
+
+
+def keep_raw(update: Update, raw: Tensor | None) -> None:
+    """Keep ``raw``, the unit's own gradient, as a matrix where its group scales it (APOLLO);
+    raises ``ValueError`` when such an update has none."""
+    if not update.plan.scales_gradient:
+        return
+    if raw is None:
+        raise ValueError("a group with scale_type (APOLLO) scales the raw gradient: pass raw=")
+    update.raw = as_matrix(raw)
 
 
 def begin(update: Update, *, own_dtype: bool = False) -> None:

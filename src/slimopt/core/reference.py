@@ -1,6 +1,7 @@
 """The reference path of one update: decode the moments to fp32, run the rule, encode them, and
-write the weights (a projected direction projected back a slice of rows at a time). The
-definition every fused step is checked against."""
+write the weights (a projected direction projected back a slice of rows at a time, or the raw
+gradient scaled by it: APOLLO, ``slimopt.core.scaling``). The definition every fused step is
+checked against."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from slimopt.codecs.slicing import slices_to_update
 from slimopt.core.moments import decode_all, encode
 from slimopt.core.outcome import Outcome
 from slimopt.core.record import Update
+from slimopt.core.scaling import limited, scaling_factor, write_scaled
 from slimopt.core.tensors import as_matrix, matrix_of
 from slimopt.core.weights import WeightStep, update_weights, update_weights_projected
 
@@ -30,6 +32,10 @@ def reference_update(update: Update) -> Outcome:
             )
             return Outcome.TAKEN
         step = WeightStep(lr, group["scale"], group["weight_decay"], rounding)
+        if plan.scales_gradient:
+            factor = scaling_factor(plan, update.grad, direction, update.basis)
+            write_scaled(weights, update.raw, limited(plan, state, update.raw, factor, update.age), step)
+            return Outcome.TAKEN
         # Back-projected a slice of rows at a time: no full-size fp32 update of a large matrix.
         for _, rows in slices_to_update(*weights.shape, meta=weights.is_meta):
             update_weights_projected(weights, direction, update.basis, rows, step)

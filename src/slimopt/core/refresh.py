@@ -1,11 +1,13 @@
 """A projected unit's basis refresh: when it is due (every ``update_proj_gap`` steps, staggered),
 how the new basis is found (``slimopt.projection.compute_basis``, by one process under
 ``spread_refreshes``), when the old one is kept instead, and what happens to the moments stored
-in the old basis (``on_subspace_change``)."""
+in the old basis (``on_subspace_change``). A random projection is drawn anew instead
+(``redraw``): it needs no gradient."""
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -14,10 +16,11 @@ from torch import Tensor
 from slimopt import projection
 from slimopt.codecs.slicing import matrix_shape
 from slimopt.core import seeds
-from slimopt.core.basis import basis, is_basis_key, store_basis
+from slimopt.core.basis import basis, draw_basis, is_basis_key, store_basis
 from slimopt.core.moments import decode_all, encode
 from slimopt.core.plan import Plan
 from slimopt.core.seeds import SUBSPACE_CHANGE_STREAM, rounding_generator
+from slimopt.core.tensors import as_matrix
 from slimopt.core.units import warn
 from slimopt.finite import all_finite
 from slimopt.projection import Basis, projected_shape
@@ -37,6 +40,22 @@ def refresh_due(state: State, group: dict[str, Any]) -> bool:
 def agreed(plan: Plan, flag: bool) -> bool:
     """``flag``, agreed on by every process holding a shard of the unit (all of them true)."""
     return flag if plan.sharding is None else plan.sharding.all_agree(flag)
+
+
+def refresh_when_due(
+    plan: Plan, state: State, grad: Tensor, refresh_group: Any, probe: Callable[[], AbstractContextManager]
+) -> None:
+    """Refresh the unit's basis when due: draw a random projection anew, or find one from the
+    gradient ``grad`` (its fp32 copy made outside ``probe()``, the context a refresh runs in:
+    it is not the refresh's workspace)."""
+    if not refresh_due(state, plan.group):
+        return
+    if plan.group["proj_method"] == "random":
+        redraw(plan, state)
+        return
+    matrix = as_matrix(grad).float()
+    with probe():
+        refresh(plan, state, matrix, refresh_group)
 
 
 def refresh(plan: Plan, state: State, grad: Tensor, refresh_group: Any) -> None:
@@ -64,6 +83,17 @@ def refresh(plan: Plan, state: State, grad: Tensor, refresh_group: Any) -> None:
     if old is not None and "moment_step" in state:
         carry_moments(plan, state, projected_shape(grad.shape, old), old, new)
     store_basis(plan, state, new)
+
+
+def redraw(plan: Plan, state: State) -> None:
+    """Draw the unit's random projection anew (``proj_method="random"``); the moments stored in
+    the old one follow the group's ``on_subspace_change`` ("keep", APOLLO's, or "reset")."""
+    carried = plan.group["on_subspace_change"] != "keep" and "moment_step" in state
+    old = basis(plan, state) if carried else None
+    draw_basis(plan, state)
+    if old is not None:
+        new = basis(plan, state)
+        carry_moments(plan, state, projected_shape(matrix_shape(plan.values_shape), old), old, new)
 
 
 def _compute(plan: Plan, state: State, grad: Tensor, old: Basis | None, refresh_group: Any) -> Basis:

@@ -1,6 +1,6 @@
-"""Seeds of a unit's random draws: stochastic rounding of states and weights, and a refresh's
-random sketch, derived from the unit's seed and step so a resumed run draws what an
-uninterrupted one would."""
+"""Seeds of a unit's random draws: stochastic rounding of states and weights, a refresh's
+random sketch and a random projection, derived from the unit's seed and step so a resumed run
+draws what an uninterrupted one would."""
 
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ def rounding_seed(state: MutableMapping[str, Any], stream: int) -> int:
 def step_seed(state: MutableMapping[str, Any]) -> int:
     """A seed unique to this unit and step."""
     return state["seed"] * 1_000_003 + state["step"]
+
+
+def draw_seed(state: MutableMapping[str, Any], draw: int) -> int:
+    """The seed of the random projection this unit drew at step ``draw`` (``proj_method="random"``):
+    every step draws it again from this seed."""
+    return state["seed"] * 1_000_003 + draw
 
 
 def rounding_generator(

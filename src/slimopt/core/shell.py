@@ -29,15 +29,15 @@ from slimopt.core import basis as stored_basis
 from slimopt.core import moments, units
 from slimopt.core.decisions import combined, decide
 from slimopt.core.plan import Place, Plan, PlanContext, make_plan, path_of
-from slimopt.core.record import Update
-from slimopt.core.refresh import agreed, refresh, refresh_due
+from slimopt.core.record import Update, keep_raw
+from slimopt.core.refresh import agreed, refresh_due, refresh_when_due
 from slimopt.core.tensors import as_matrix, real, values
 from slimopt.core.update import apply, apply_together
 from slimopt.finite import Decisions, all_finite
 from slimopt.options import PROJECTION_DEFAULTS, STORAGE_DEFAULTS, group_errors, sharding_errors
 from slimopt.projection import Basis, project
 from slimopt.rules import RULES, UpdateRule
-from slimopt.sharding import RowSharding, local_view, row_sharding
+from slimopt.sharding import RowSharding, local_view, row_sharding, whole_norm
 
 # What ``watch`` accepts: the phases whose calls a probe is wrapped around.
 PHASES = ("refresh", "update")
@@ -51,6 +51,8 @@ class GaLoreOptimizer(Optimizer):
     # Hyperparameters of another rule that this optimizer's constructor takes for its groups of
     # that rule (TACO's betas and eps, for its AdamW fallback), by rule name.
     rule_defaults: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # Projection options whose defaults differ from ``PROJECTION_DEFAULTS`` (APOLLO's).
+    projection_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(
         self,
@@ -66,7 +68,8 @@ class GaLoreOptimizer(Optimizer):
             options.pop("rank", None)
         self._reset_private()
         storage = {**STORAGE_DEFAULTS, "states": self.default_states}
-        super().__init__(params, {**defaults, "rule": None, **PROJECTION_DEFAULTS, **storage, **options})
+        projection = {**PROJECTION_DEFAULTS, **self.projection_defaults}
+        super().__init__(params, {**defaults, "rule": None, **projection, **storage, **options})
 
     def _reset_private(self) -> None:
         """What the shell keeps besides torch.optim's defaults, state and groups: caches and
@@ -281,11 +284,7 @@ class GaLoreOptimizer(Optimizer):
     def gradient_norm(self, param: Tensor, grad: Tensor) -> Tensor:
         """The fp32 norm of the whole of ``param``'s gradient, of which ``grad`` is this
         process's part (all-reduced over the processes that hold the rest, under FSDP2)."""
-        squared = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        sharding = self.sharding_of(param)
-        if sharding is not None:
-            sharding.all_reduce(squared)
-        return squared.sqrt()
+        return whole_norm(grad, self.sharding_of(param))
 
     @property
     def layerwise_handle(self) -> Any:
@@ -315,12 +314,14 @@ class GaLoreOptimizer(Optimizer):
         return nullcontext() if probe is None else probe()
 
     def needs_whole_gradient(self, param: Tensor, group: dict[str, Any]) -> bool:
-        """Whether this step of ``param`` needs its whole gradient: it is not projected, or its
-        basis is refreshed from this step's gradient."""
-        return not self.projects(param, group) or refresh_due(self.state_of(param), group)
+        """Whether this step of ``param`` needs its whole gradient: it is not projected, its basis
+        is refreshed from this step's gradient, or its group scales it (APOLLO's ``scale_type``)."""
+        plan = self.plan_of(param, group)
+        return not plan.projected or plan.scales_gradient or refresh_due(self.state_of(param), group)
 
     def basis(self, param: Tensor, group: dict[str, Any]) -> Basis | None:
-        """The fp32 basis of a projected ``param`` (decoded from its storage), or None."""
+        """The fp32 basis of a projected ``param`` (decoded from its storage, or drawn from its
+        seed for ``proj_method="random"``), or None."""
         return stored_basis.basis(self.plan_of(param, group), self.state_of(param))
 
     def gradient_in_space(
@@ -340,14 +341,7 @@ class GaLoreOptimizer(Optimizer):
         its refresh is due (None: no basis could be computed yet)."""
         plan, state = self.plan_of(param, group), self.state_of(param)
         units.start(plan, state, type(self).__name__)
-        return self._refreshed(plan, state, grad)
-
-    def _refreshed(self, plan: Plan, state: MutableMapping[str, Any], grad: Tensor) -> Basis | None:
-        """``refreshed_basis`` of a unit whose plan and started state are at hand."""
-        if refresh_due(state, plan.group):
-            matrix = as_matrix(grad).float()  # the gradient's fp32 copy is not the refresh's workspace
-            with self._probe("refresh"):
-                refresh(plan, state, matrix, self._refresh_group)
+        refresh_when_due(plan, state, grad, self._refresh_group, lambda: self._probe("refresh"))
         return stored_basis.basis(plan, state)
 
     def apply_update(
@@ -357,12 +351,16 @@ class GaLoreOptimizer(Optimizer):
         grad: Tensor,
         basis: Basis | None,
         finite: bool | Tensor | None = None,
+        *,
+        raw: Tensor | None = None,
     ) -> None:
         """Run the rule on ``grad`` (already in the basis' space) and update ``param``; skip the
         update when ``grad`` is not finite (``finite``: already decided by the caller, as
         ``step()`` does for all parameters at once, possibly as a flag on the device for the
-        fused path; None: decided here)."""
+        fused path; None: decided here). ``raw``: ``param``'s own gradient, which a group with
+        ``scale_type`` (APOLLO) needs (``ValueError`` without it)."""
         update = self._update(param, group, grad)
+        keep_raw(update, raw)
         update.basis = basis
         update.verdict = agreed(update.plan, all_finite(grad)) if finite is None else finite
         with self._probe("update"):
@@ -382,12 +380,13 @@ class GaLoreOptimizer(Optimizer):
         if not update.plan.projected:
             update.grad = real(update.grad)
             return True
-        basis = self._refreshed(update.plan, update.state, update.grad)
+        basis = self.refreshed_basis(update.unit, update.plan.group, update.grad)
         if basis is None:
             # Not a non-finite gradient (an all-zero one, an expert no token reached): warned
             # about, not counted in nonfinite_skips.
             units.warn(update.plan, update.state, "no projection basis could be computed yet; update skipped")
             return False
+        keep_raw(update, update.grad)
         update.grad, update.basis = project(as_matrix(update.grad), basis), basis
         return True
 

@@ -9,7 +9,7 @@ A checkpoint is a DCP directory of tensors only (no pickled objects), under flat
 - ``optimizer/groups`` and ``optimizer/<param>/scalars``: JSON (as uint8 tensors) of the param
   groups, with parameters named, and of each parameter's counters (step, seed, …).
 - ``optimizer/<param>/<state key>``: a state tensor every process holds alike (a replicated
-  parameter's, or a projection basis).
+  parameter's, a projection basis, or APOLLO's limiter norm).
 - ``optimizer/<param>/<state key>/shard <i> of <n>``: a state tensor of a parameter split by
   rows over n processes, as process i stores it (compressed blocks never straddle processes).
 
@@ -34,6 +34,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
+from slimopt.core.scaling import LIMITER_KEY
 from slimopt.core.tensors import values as own_values
 from slimopt.files import move_into_place
 from slimopt.optimizers import GaLoreOptimizer
@@ -139,8 +140,7 @@ def _optimizer_items(model: nn.Module, optimizer: GaLoreOptimizer) -> dict[str, 
         shard = "" if sharding is None else _shard_suffix(param)
         for key, value in state.items():
             if isinstance(value, Tensor):
-                replicated = key.startswith("basis_")  # every process holds the same basis
-                items[f"{OPTIMIZER}{name}/{key}{'' if replicated else shard}"] = value
+                items[f"{OPTIMIZER}{name}/{key}{'' if _replicated(key) else shard}"] = value
     return items
 
 
@@ -213,7 +213,7 @@ class _OptimizerLoad:
             if param in self.resharded:
                 # Moments are restored after the basis they are expressed in.
                 deferred[param] = (scalars.pop("moment_step", None), tensors)
-                tensors = {key: value for key, value in tensors.items() if key.startswith("basis_")}
+                tensors = {key: value for key, value in tensors.items() if _replicated(key)}
             else:
                 tensors = {key.partition(SHARD)[0]: value for key, value in tensors.items()}
             if scalars or tensors:
@@ -242,7 +242,7 @@ class _OptimizerLoad:
             stored = {
                 key.partition(SHARD)[0]: value
                 for key, value in tensors.items()
-                if not key.startswith("basis_") and (key.endswith(shard) if shard else SHARD not in key)
+                if not _replicated(key) and (key.endswith(shard) if shard else SHARD not in key)
             }
             values = torch.Size((saved_rows, *own_values(param).shape[1:]))
             saved_state = {**stored, "moment_step": moment_step}
@@ -253,6 +253,12 @@ class _OptimizerLoad:
         moments = {key: torch.cat(parts) for key, parts in pieces.items()}
         optimizer.store_moments(param, moments)
         optimizer.state[param]["moment_step"] = moment_step
+
+
+def _replicated(key: str) -> bool:
+    """Whether every process holds the same state tensor ``key`` of a parameter split by rows:
+    its basis, and APOLLO's limiter norm (of the whole tensor)."""
+    return key.startswith("basis_") or key == LIMITER_KEY
 
 
 def _check_optimizer(optimizer: Any) -> None:

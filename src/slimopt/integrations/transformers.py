@@ -4,7 +4,8 @@ Both read the usual ``TrainingArguments``: ``learning_rate``, ``weight_decay``, 
 ``adam_beta2``, ``adam_epsilon``, ``optim_target_modules`` (``"all-linear"``, a regex, or a list
 of names / substrings / regexes) and ``optim_args`` in Hugging Face's
 ``"rank=128,update_proj_gap=200,scale=0.25,proj_type=std"`` format, which also takes slimopt's own
-keys (``states=int8``, ``basis_states=int8``, ``proj_method=svd`` …). A name ending in
+keys (``states=int8``, ``basis_states=int8``, ``proj_method=svd`` …); APOLLO's ``proj=random|svd``
+is ``proj_method``. A name ending in
 ``_layerwise`` (``"galore_adamw8bit_layerwise"``, as in Hugging Face's ``optim``) trains with
 ``slimopt.layerwise``: gradient accumulation, the logged learning rate and clipping
 (``max_grad_norm``, per tensor) all work, where Hugging Face's own layer-wise GaLore refuses
@@ -43,6 +44,8 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
     ) from error
 
 LAYERWISE_SUFFIX = "_layerwise"
+# Hugging Face's optim_args keys that slimopt spells otherwise (APOLLO's "proj": random or svd).
+OPTIM_ARGS_ALIASES = {"proj": "proj_method"}
 
 
 def optimizer_names() -> list[str]:
@@ -93,8 +96,10 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
         key, separator, value = (part.strip() for part in item.partition("="))
         if not separator or not value:
             raise ValueError(f"optim_args item {item.strip()!r} is not key=value")
+        key = OPTIM_ARGS_ALIASES.get(key, key)
         if key not in OPTION_TYPES:
-            raise ValueError(f"unknown optim_args key {key!r}; valid: {', '.join(OPTION_TYPES)}")
+            valid = ", ".join([*OPTION_TYPES, *OPTIM_ARGS_ALIASES])
+            raise ValueError(f"unknown optim_args key {key!r}; valid: {valid}")
         try:
             options[key] = parse_option(key, value)
         except ValueError as error:

@@ -44,6 +44,11 @@ class UpdateRule(Protocol):
         """Advance the moments in ``state`` with ``grad`` (step number ``age``, from 1) and return
         the update direction, which the shell scales by ``-step_size``."""
 
+    def bias_correction(self, group: dict[str, Any], age: int) -> float:
+        """The factor of the direction at moment age ``age`` that is bias correction (1.0 for a
+        rule without): APOLLO's norm-growth limiter compares norms without it, as apollo-torch
+        does (``slimopt.core.scaling``)."""
+
     def step_size(self, group: dict[str, Any], weights: Tensor, step: int) -> float | Tensor:
         """Return the learning rate for step ``step`` (from 1) of a parameter with values
         ``weights``: a number, or a 0-d tensor on the parameter's device when it depends on the

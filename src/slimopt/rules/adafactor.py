@@ -110,6 +110,9 @@ class AdafactorRule:
             update = state["exp_avg"].clone()
         return update
 
+    def bias_correction(self, group: dict[str, Any], age: int) -> float:
+        return 1.0
+
     def step_size(self, group: dict[str, Any], weights: Tensor, step: int) -> float | Tensor:
         size = self.unscaled_step_size(group, step)
         if group["scale_parameter"]:

@@ -41,5 +41,9 @@ class AdamWRule:
         torch.div(exp_avg, direction, out=direction)
         return direction.div_(bias_correction1)
 
+    def bias_correction(self, group: dict[str, Any], age: int) -> float:
+        beta1, beta2 = group["betas"]
+        return math.sqrt(1 - beta2**age) / (1 - beta1**age)
+
     def step_size(self, group: dict[str, Any], weights: Tensor, step: int) -> float:
         return group["lr"]

@@ -40,5 +40,8 @@ class LionRule:
         exp_avg.lerp_(grad, 1 - beta2)
         return direction
 
+    def bias_correction(self, group: dict[str, Any], age: int) -> float:
+        return 1.0
+
     def step_size(self, group: dict[str, Any], weights: Tensor, step: int) -> float:
         return group["lr"]

@@ -236,5 +236,8 @@ class TACORule:
             rows, signs = column_top1(grad)
         return OneSparse(rows, signs * direction_scale(shape), transposed)
 
+    def bias_correction(self, group: dict[str, Any], age: int) -> float:
+        return 1.0
+
     def step_size(self, group: dict[str, Any], weights: Tensor, step: int) -> float:
         return group["lr"]

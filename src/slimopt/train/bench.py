@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from slimopt.memory import LiveBytes, state_tensors
 from slimopt.registry import OPTIMIZERS, build_optimizer, resolve_name
@@ -43,9 +43,11 @@ REFERENCES: dict[str, tuple[str | None, bool, Callable[[nn.Module, float], Any]]
     "torchao_adamw8bit": ("torchao", False, lambda m, lr: _torchao().AdamW8bit(m.parameters(), lr=lr)),
     "torchao_adamw4bit": ("torchao", False, lambda m, lr: _torchao().AdamW4bit(m.parameters(), lr=lr)),
     "galore_torch_adamw8bit": ("galore_torch", True, lambda m, lr: _galore_torch(m, lr)),  # rank 512
+    "apollo_torch_mini": ("apollo_torch", False, lambda m, lr: _apollo_torch_mini(m, lr)),
 }
 DEFAULT = (
-    "torch_adamw_foreach,torch_adamw_fused,bnb_adamw8bit,torchao_adamw8bit,adamw,adamw8bit,galore_adamw8bit"
+    "torch_adamw_foreach,torch_adamw_fused,bnb_adamw8bit,torchao_adamw8bit,apollo_torch_mini,adamw,adamw8bit,"
+    "galore_adamw8bit,apollo_mini"
 )
 
 
@@ -231,10 +233,25 @@ def _galore_torch(model: nn.Module, lr: float) -> Any:
     projected at rank 512 (the anchors' setting), everything else plain."""
     from galore_torch import GaLoreAdamW8bit
 
+    matrices, rest = _projected_and_rest(model)
+    projected = {"params": matrices, "rank": 512, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
+    return GaLoreAdamW8bit([{"params": rest}, projected], lr=lr)
+
+
+def _apollo_torch_mini(model: nn.Module, lr: float) -> Any:
+    """apollo-torch's APOLLO-Mini as its README sets it up: the attention and MLP weights at
+    rank 1 with tensor-wise scaling and scale 128, everything else AdamW."""
+    from apollo_torch import APOLLOAdamW
+
+    matrices, rest = _projected_and_rest(model)
+    projected = {"params": matrices, "rank": 1, "proj": "random", "scale_type": "tensor", "scale": 128}
+    return APOLLOAdamW([{"params": rest}, {**projected, "update_proj_gap": 200, "proj_type": "std"}], lr=lr)
+
+
+def _projected_and_rest(model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+    """The attention and MLP weights (every matrix but the embedding and head), and the rest."""
     matrices = [
         p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n
     ]
     ids = {id(p) for p in matrices}
-    rest = [p for p in model.parameters() if id(p) not in ids]
-    projected = {"params": matrices, "rank": 512, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
-    return GaLoreAdamW8bit([{"params": rest}, projected], lr=lr)
+    return matrices, [p for p in model.parameters() if id(p) not in ids]

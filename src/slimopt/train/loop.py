@@ -29,6 +29,7 @@ from slimopt.describe import describe as describe_optimizer
 from slimopt.files import write_atomically
 from slimopt.layerwise import layerwise
 from slimopt.memory import LiveBytes, state_nbytes, state_tensors
+from slimopt.registry import OPTIMIZERS
 from slimopt.sharding import barrier, from_first, local_view
 from slimopt.train import metrics, models
 from slimopt.train.checkpoint import checkpoint_to_resume, load_resumed, save_checkpoint
@@ -456,4 +457,6 @@ def _rank_note(optimizer: torch.optim.Optimizer, config: TrainConfig) -> str:
         return ""
     if "rank" in config.optimizer_options:
         return f" (rank {ranks[0]})"
+    if OPTIMIZERS[config.optimizer].rank is not None:
+        return f" (rank {ranks[0]}, {config.optimizer}'s own)"
     return f" (rank {ranks[0]}, the default: a quarter of the matrices' smaller side)"
