@@ -170,11 +170,13 @@ def test_a_ternary_optimizer_takes_adam_beta1_as_given_and_says_its_own_default(
         ("galore_adamw_8bit", "GaLoreAdamW8bit", False),
         ("galore_adamw_8bit_layerwise", "GaLoreAdamW8bit", True),
         ("galore_adafactor", "GaLoreAdafactor", False),
+        ("apollo_adamw", "APOLLOAdamW", False),
+        ("apollo_adamw_layerwise", "APOLLOAdamW", True),
     ],
 )
 def test_training_arguments_optim_chooses_the_optimizer(shakespeare_tokens, tmp_path, optim, cls, layer_wise):
-    """Hugging Face's own GaLore names in TrainingArguments(optim=...): migrating from Trainer
-    is replacing the class."""
+    """Hugging Face's own GaLore and APOLLO names in TrainingArguments(optim=...): migrating from
+    Trainer is replacing the class."""
     trainer = SlimoptTrainer(
         model=tiny_llama(),
         args=_args(tmp_path, optim=optim, optim_target_modules=["attn", "mlp"], max_steps=2),
