@@ -545,7 +545,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for task in tasks(args.rows, out, args.pretrain_steps):
         row: dict[str, Any] = {"task": task.name, "metric": task.metric, "optimizers": {}}
         for name in [n for n in args.optimizers if n in task.optimizers]:
-            lrs = learning_rates(name)[: args.sweep]
+            lrs = args.learning_rates or learning_rates(name)[: args.sweep]
             row["optimizers"][name] = sweep(task, name, lrs, args.steps, args.batch_size)
         results["rows"].append(row)
         (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -639,6 +639,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--sweep", type=int, default=3, help="how many of the three learning rates to try")
+    parser.add_argument(
+        "--learning-rates",
+        type=lambda s: [float(v) for v in s.split(",")],
+        help="comma-separated rates for every optimizer instead of each family's sweep",
+    )
     parser.add_argument("--pretrain-steps", type=int, default=600, help="of the fine-tuning rows' base")
     parser.add_argument("--tiny", action="store_true", help="a smoke run: two rows, two optimizers, 3 steps")
     args = parser.parse_args(argv)

@@ -306,3 +306,24 @@ def test_reset_starts_the_moments_again_at_a_redraw() -> None:
     assert state["moment_step"] == 1 and state["step"] == 4
     expected = 0.1 * optimizer.gradient_in_space(weight, optimizer.param_groups[0], gradient(3, (48, 32)))[0]
     torch.testing.assert_close(state["exp_avg"], expected)
+
+
+def test_stacked_experts_are_scaled_each_as_its_own_matrix() -> None:
+    """A 3-D stack in a group with ``experts=True`` (a mixture of experts): each expert is
+    updated as a 2-D parameter of its own would be (svd projections: no seeds involved)."""
+    torch.manual_seed(0)
+    stack = torch.randn(3, 48, 32)
+    stacked = stack.clone().requires_grad_()
+    separate = [stack[e].clone().requires_grad_() for e in range(3)]
+    options = {"rank": 4, "update_proj_gap": 5, "proj_method": "svd", "scale_type": "tensor"}
+    optimizer = APOLLOAdamW([{"params": [stacked], "experts": True, **options}], lr=1e-2)
+    reference = APOLLOAdamW([{"params": separate, **options}], lr=1e-2)
+    for step in range(8):
+        grads = [gradient(100 * e + step, (48, 32)) for e in range(3)]
+        stacked.grad = torch.stack(grads)
+        for param, grad in zip(separate, grads, strict=True):
+            param.grad = grad
+        optimizer.step()
+        reference.step()
+    for e in range(3):
+        torch.testing.assert_close(stacked[e].detach(), separate[e].detach(), rtol=0, atol=0)
