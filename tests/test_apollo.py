@@ -327,3 +327,19 @@ def test_stacked_experts_are_scaled_each_as_its_own_matrix() -> None:
         reference.step()
     for e in range(3):
         torch.testing.assert_close(stacked[e].detach(), separate[e].detach(), rtol=0, atol=0)
+
+
+def test_a_rank_that_saves_nothing_warns_counting_no_basis_for_a_random_projection() -> None:
+    """48×48 matrices: GaLore at rank 36 stores moments and a basis (2·48·36 + 36·48 numbers,
+    more than AdamW's 2·48·48) and warns; APOLLO at that rank stores no basis and saves a
+    quarter, quietly; at rank 48 it saves nothing and warns."""
+    import warnings
+
+    net = nn.Sequential(nn.Linear(48, 48), nn.Linear(48, 48))
+    with pytest.warns(UserWarning, match="rank 36 saves no optimizer state"):
+        slimopt.build_optimizer(net, "galore_adamw", lr=1e-3, rank=36)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        slimopt.build_optimizer(net, "apollo_adamw", lr=1e-3, rank=36)
+    with pytest.warns(UserWarning, match="rank 48 saves no optimizer state"):
+        slimopt.build_optimizer(net, "apollo_adamw", lr=1e-3, rank=48)

@@ -252,9 +252,10 @@ def default_rank(matrices: list[Tensor]) -> int:
     return max(1, sides.most_common(1)[0][0] // 4)
 
 
-def warn_if_projection_saves_nothing(matrices: list[Tensor], rank: int) -> None:
-    """A ``UserWarning`` when moments in a rank-``rank`` space plus the bases take as many
-    numbers as the moments of the whole matrices (2·m·n): projection would only cost."""
+def warn_if_projection_saves_nothing(matrices: list[Tensor], rank: int, stored_basis: bool = True) -> None:
+    """A ``UserWarning`` when moments in a rank-``rank`` space plus the bases (``stored_basis``:
+    not APOLLO's random projections, which are drawn again) take as many numbers as the moments
+    of the whole matrices (2·m·n): projection would only cost."""
     full = projected = 0
     breakeven = None
     for matrix in matrices:
@@ -262,9 +263,10 @@ def warn_if_projection_saves_nothing(matrices: list[Tensor], rank: int) -> None:
         if short == 0:
             continue
         r = min(rank, short)
+        basis = short if stored_basis else 0
         full += 2 * long * short
-        projected += 2 * long * r + r * short  # moments in the projected space, then the basis
-        limit = (2 * long * short) // (2 * long + short)
+        projected += 2 * long * r + r * basis  # moments in the projected space, then the basis
+        limit = (2 * long * short) // (2 * long + basis)
         breakeven = limit if breakeven is None else min(breakeven, limit)
     if full and projected >= full:
         warnings.warn(
@@ -315,8 +317,7 @@ def build_optimizer(
     target_modules: str | list[str] | None = None,
     **options: Any,
 ) -> GaLoreOptimizer:
-    """Return optimizer ``name`` (slimopt's or Hugging Face's, see ``resolve_name``) configured
-    for ``model``.
+    """Optimizer ``name`` (slimopt's or Hugging Face's, see ``resolve_name``) configured for ``model``.
 
     The param groups, each named by ``group["name"]``, in this order (empty ones left out):
     ``"projected"`` (projecting optimizers only: the weights of the selected linear modules,
@@ -364,7 +365,8 @@ def build_optimizer(
     matrices = [m for p in projected for m in (p.detach().unbind(0) if id(p) in expert_ids else [p])]
     if spec.projected and projected:
         rank = default_rank(matrices) if rank is None else rank
-        warn_if_projection_saves_nothing(matrices, rank)
+        random = {**spec.cls.projection_defaults, **projection}.get("proj_method") == "random"
+        warn_if_projection_saves_nothing(matrices, rank, stored_basis=not random)
     flipped = _choose_side(projection, projected)
     transposed = [p for p in projected if id(p) in transposed_ids] if flipped else []
     experts = [p for p in projected if id(p) in expert_ids]
