@@ -97,6 +97,28 @@ def test_resumed_run_repeats_the_uninterrupted_one(workspace: Path, tmp_path: Pa
         assert a["loss"] == b["loss"] and a.get("val_loss") == b.get("val_loss") and a["lr"] == b["lr"]
 
 
+def test_apollo_mini_trains_layerwise_and_resumes_exactly(workspace: Path, tmp_path: Path, capsys) -> None:
+    """``--optimizer apollo_mini`` from the command line: its own rank (1), redraws every 3 steps,
+    updates in backward, and a resumed run repeats the uninterrupted one."""
+    common = ["--optimizer", "apollo_mini", "--update-proj-gap", "3", "--steps", "8", "--layerwise"]
+    assert main(["train", *common, *run_args(workspace, tmp_path / "whole")]) == 0
+    assert "with apollo_mini (rank 1, apollo_mini's own)" in capsys.readouterr().err
+    assert main(["train", *common, "--save-every", "4", *run_args(workspace, tmp_path / "split")]) == 0
+    for step in range(5, 9):  # keep only the checkpoint of step 4
+        (tmp_path / "split" / "checkpoints" / f"step-{step:08d}" / "manifest.json").unlink(missing_ok=True)
+    resumed = [
+        "train",
+        *common,
+        "--resume",
+        str(tmp_path / "split"),
+        *run_args(workspace, tmp_path / "split"),
+    ]
+    assert main(resumed) == 0
+    whole, split = metrics(tmp_path / "whole"), metrics(tmp_path / "split")
+    assert whole[-1]["loss"] < whole[0]["loss"]
+    assert [r["loss"] for r in whole] == [r["loss"] for r in split]
+
+
 def test_sigint_saves_a_checkpoint_and_stops(workspace: Path, tmp_path: Path) -> None:
     out = tmp_path / "interrupted"
     argv = ["train", "--steps", "400", *run_args(workspace, out)]
