@@ -343,3 +343,20 @@ def test_a_rank_that_saves_nothing_warns_counting_no_basis_for_a_random_projecti
         slimopt.build_optimizer(net, "apollo_adamw", lr=1e-3, rank=36)
     with pytest.warns(UserWarning, match="rank 48 saves no optimizer state"):
         slimopt.build_optimizer(net, "apollo_adamw", lr=1e-3, rank=48)
+
+
+def test_a_checkpoint_loads_into_another_storage_format_without_storing_a_projection() -> None:
+    """fp32 moments loaded into int8 APOLLO: re-encoded, the limiter's norm kept, and the random
+    projection still drawn from its seed (no basis appears in the state)."""
+    net = make_net()
+    optimizer = slimopt.build_optimizer(net, "apollo_adamw", lr=3e-3, rank=32, update_proj_gap=3)
+    _run("apollo_adamw", range(4), net, optimizer)
+    int8 = slimopt.build_optimizer(net, "apollo_adamw", lr=3e-3, rank=32, update_proj_gap=3, states="int8")
+    int8.load_state_dict(optimizer.state_dict())
+    weight = net.up.weight
+    state = int8.state[weight]
+    assert not any(key.startswith("basis_left") or key.startswith("basis_right") for key in state)
+    assert torch.equal(state["limiter_norm"], optimizer.state[weight]["limiter_norm"])
+    assert "exp_avg.codes" in state
+    ours, theirs = int8.decoded_state(weight), optimizer.decoded_state(weight)
+    assert relative_error(ours["exp_avg"], theirs["exp_avg"]) < 0.02

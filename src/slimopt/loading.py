@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slimopt.core.scaling import LIMITER_KEY
 from slimopt.earlier_layouts import carried_over
 
 # The optimizer these functions take: slimopt's shell (``slimopt.core.shell.GaLoreOptimizer``),
@@ -41,7 +42,7 @@ TORCH_ADAM_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 # State that every slimopt parameter keeps whatever its rule: counts, seeds, refresh schedule, basis.
 COUNTERS = ("step", "moment_step", "nonfinite_skips", "seed", "refresh_offset", "basis_draw")
 # APOLLO's: the step a random projection was drawn at, and the norm-growth limiter's last norm.
-SHELL_KEYS = {*COUNTERS, "basis_left", "basis_right", "basis_draw", "limiter_norm"}
+SHELL_KEYS = {*COUNTERS, "basis_left", "basis_right", "basis_draw", LIMITER_KEY}
 
 
 def is_slimopt_state_dict(state_dict: dict[str, Any]) -> bool:
@@ -265,7 +266,8 @@ def restore_storage(optimizer: GaLoreOptimizer, storage: list[dict[str, Any]]) -
         group.update(wanted)
         for unit, moments, basis in contents:
             state = optimizer.state_of(unit)
-            for key in [k for k, v in state.items() if isinstance(v, Tensor)]:
+            # Moments and bases are stored anew; APOLLO's limiter norm is no moment and stays.
+            for key in [k for k, v in state.items() if isinstance(v, Tensor) and k != LIMITER_KEY]:
                 del state[key]
             if moments:
                 optimizer.store_moments(unit, moments)

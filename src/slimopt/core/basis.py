@@ -61,7 +61,9 @@ def _drawn(plan: Plan, state: MutableMapping[str, Any]) -> Basis:
 
 def store_basis(plan: Plan, state: MutableMapping[str, Any], new: Basis) -> None:
     """Store ``new`` in the group's ``basis_states`` format (bf16: rounded stochastically,
-    seeded by unit and step)."""
+    seeded by unit and step); a random projection is drawn from its seed, so nothing is stored."""
+    if plan.group["proj_method"] == "random":
+        return
     generator = None
     if plan.group["basis_states"] == "bf16":
         generator = torch.Generator(device="cpu" if plan.param.is_meta else plan.param.device)
