@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 
 import pytest
 import torch
@@ -360,3 +361,19 @@ def test_a_checkpoint_loads_into_another_storage_format_without_storing_a_projec
     assert "exp_avg.codes" in state
     ours, theirs = int8.decoded_state(weight), optimizer.decoded_state(weight)
     assert relative_error(ours["exp_avg"], theirs["exp_avg"]) < 0.02
+
+
+def test_switching_proj_method_mid_run_finds_a_basis_of_the_new_kind() -> None:
+    """A group switched from a random projection to SVD (or back) gets a basis of its new kind at
+    once, not a skipped update until the next refresh."""
+    weight = torch.zeros(48, 32, requires_grad=True)
+    optimizer = APOLLOAdamW([{"params": [weight], "rank": 4, "update_proj_gap": 50}], lr=1e-3)
+    group = optimizer.param_groups[0]
+    for step, method in enumerate(["random", "random", "svd", "svd", "random"]):
+        group["proj_method"] = method
+        weight.grad = gradient(step, (48, 32))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a skipped update would warn
+            optimizer.step()
+        assert optimizer.basis(weight, group) is not None
+    assert optimizer.state[weight]["step"] == 5

@@ -20,9 +20,11 @@ BASIS_KEYS = ("basis_left", "basis_right")
 DRAW_KEY = "basis_draw"
 
 
-def is_basis_key(key: str) -> bool:
-    """Whether a state key (``basis_left``, ``basis_right.codes``, …) holds part of a basis."""
-    return key.split(".")[0] in (*BASIS_KEYS, DRAW_KEY)
+def is_basis_key(key: str, *, random: bool | None = None) -> bool:
+    """Whether a state key (``basis_left``, ``basis_right.codes``, ``basis_draw``) holds part of a
+    basis: of either kind, or with ``random`` of a random projection (True) or stored factors."""
+    kinds = {None: (*BASIS_KEYS, DRAW_KEY), True: (DRAW_KEY,), False: BASIS_KEYS}[random]
+    return key.split(".")[0] in kinds
 
 
 def basis(plan: Plan, state: MutableMapping[str, Any]) -> Basis | None:

@@ -30,9 +30,9 @@ State = MutableMapping[str, Any]
 
 
 def refresh_due(state: State, group: dict[str, Any]) -> bool:
-    """Whether the unit's basis is refreshed at this step: it has none yet, or its staggered
-    gap has come round."""
-    if not any(is_basis_key(key) for key in state):
+    """Whether the unit's basis is refreshed at this step: it has none of its group's kind yet
+    (stored factors, or a random projection's draw), or its staggered gap has come round."""
+    if not any(is_basis_key(key, random=group["proj_method"] == "random") for key in state):
         return True
     return (state["step"] - state["refresh_offset"]) % group["update_proj_gap"] == 0
 
