@@ -231,20 +231,17 @@ class LayerwiseHandle:
 
     def _step_whole(self, param: Tensor, group: dict[str, Any]) -> None:
         self._accumulating.discard(param)
-        raw = local_view(param.grad)
-        if self.optimizer.plan_of(param, group).scales_gradient:
-            # APOLLO moves the weights by the raw gradient: that is what is clipped.
-            raw = self._clip(param, raw)
-            prepared = self.optimizer.gradient_in_space(param, group, raw)
-            if prepared is not None:
-                self.optimizer.apply_update(param, group, *prepared, raw=raw)
-            param.grad = None
-            return
+        # APOLLO moves the weights by the raw gradient, scaled: that is what it keeps and clips.
+        scaled = self.optimizer.plan_of(param, group).scales_gradient
+        raw = self._clip(param, local_view(param.grad)) if scaled else local_view(param.grad)
         prepared = self.optimizer.gradient_in_space(param, group, raw)
         param.grad = None
+        if not scaled:
+            raw = None  # the gradient in the rule's space is all the update needs: free the rest
         if prepared is not None:
             grad, basis = prepared
-            self.optimizer.apply_update(param, group, self._clip(param, grad), basis)
+            grad = grad if scaled else self._clip(param, grad)
+            self.optimizer.apply_update(param, group, grad, basis, raw=raw)
 
     def _clip(self, param: Tensor, grad: Tensor) -> Tensor:
         """``grad`` (of ``param``, this process's rows of it under FSDP2) scaled to a norm of at
