@@ -13,6 +13,7 @@ and its optimizer state is counted exactly; beside them, ``slimopt memory``'s pr
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import tempfile
 from pathlib import Path
@@ -41,33 +42,42 @@ def _setting(args: argparse.Namespace) -> dict:
 def _worker(
     rank: int, world: int, port: int, strategy: str, name: str, options: dict, args, out: str
 ) -> None:
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        _measured(rank, world, strategy, name, options, args, out)
+    finally:
+        # The model, wrapper and optimizer (whose collectives' work objects hold tensors) are
+        # released before the process group: gloo's work destructors abort at interpreter exit
+        # (SIGABRT, "terminate called without an active exception"; seen once in a CI run).
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _measured(rank: int, world: int, strategy: str, name: str, options: dict, args, out: str) -> None:
+    """Two steps of this process, its peak and state bytes saved to ``out``."""
     from slimopt.memory import state_nbytes
     from slimopt.planner import build_model
     from slimopt.train.loop import track_memory
     from slimopt.train.parallel import Parallel
 
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        parallel = Parallel(strategy, rank, world, rank)
-        model = build_model(_setting(args), torch.device("cpu"))
-        wrapped = parallel.wrap(model)
-        optimizer = parallel.optimizer(model, name, 1e-3, options)
-        peak = 0
-        for step in range(2):
-            tracker = track_memory(model, optimizer)
-            with tracker:
-                generator = torch.Generator().manual_seed(step * world + rank)
-                batch = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
-                wrapped(input_ids=batch, labels=batch).loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            peak = max(peak, tracker.peak)
-        result = torch.tensor([peak, state_nbytes(optimizer)], dtype=torch.int64)
-        torch.save(result, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    parallel = Parallel(strategy, rank, world, rank)
+    model = build_model(_setting(args), torch.device("cpu"))
+    wrapped = parallel.wrap(model)
+    optimizer = parallel.optimizer(model, name, 1e-3, options)
+    peak = 0
+    for step in range(2):
+        tracker = track_memory(model, optimizer)
+        with tracker:
+            generator = torch.Generator().manual_seed(step * world + rank)
+            batch = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
+            wrapped(input_ids=batch, labels=batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        peak = max(peak, tracker.peak)
+    result = torch.tensor([peak, state_nbytes(optimizer)], dtype=torch.int64)
+    torch.save(result, Path(out) / f"rank{rank}.pt")
 
 
 def measure(strategy: str, name: str, options: dict, world: int, args) -> tuple[int, int]:
