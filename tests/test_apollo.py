@@ -127,7 +127,7 @@ def test_the_random_projection_is_drawn_from_its_seed_and_never_stored() -> None
     assert optimizer.state[weights[0]]["basis_draw"] == 4
 
 
-def _run(name: str, steps: range, net: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _run(steps: range, net: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     for step in steps:
         optimizer.zero_grad()
         loss_of(net, step).backward()
@@ -139,17 +139,17 @@ def test_resume_is_bit_exact_across_a_redraw(name: str) -> None:
     options = {"lr": 3e-3, "update_proj_gap": 4, **({"rank": 8} if name == "apollo_adamw" else {})}
     net = make_net()
     optimizer = slimopt.build_optimizer(net, name, **options)
-    _run(name, range(5), net, optimizer)
+    _run(range(5), net, optimizer)
     saved = io.BytesIO()
     torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, saved)
-    _run(name, range(5, 10), net, optimizer)
+    _run(range(5, 10), net, optimizer)
     saved.seek(0)
     checkpoint = torch.load(saved, weights_only=True)
     resumed_net = make_net(seed=1)
     resumed_net.load_state_dict(checkpoint["model"])
     resumed = slimopt.build_optimizer(resumed_net, name, **options)
     resumed.load_state_dict(checkpoint["optimizer"])
-    _run(name, range(5, 10), resumed_net, resumed)
+    _run(range(5, 10), resumed_net, resumed)
     for a, b in zip(net.parameters(), resumed_net.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -162,8 +162,8 @@ def test_every_storage_format_trains_and_costs_galores_moments_without_the_basis
     optimizer = slimopt.build_optimizer(net, "apollo_adamw", lr=3e-3, rank=32, states=states)
     galore = slimopt.build_optimizer(galore_net, "galore_adamw", lr=3e-3, rank=32, states=states)
     first = loss_of(net, 0).item()
-    _run("galore_adamw", range(40), galore_net, galore)
-    _run("apollo_adamw", range(40), net, optimizer)
+    _run(range(40), galore_net, galore)
+    _run(range(40), net, optimizer)
     assert loss_of(net, 0).item() < 0.8 * first
     matrices = [p for p in galore_net.parameters() if p.dim() == 2]
     bases = sum(
@@ -351,7 +351,7 @@ def test_a_checkpoint_loads_into_another_storage_format_without_storing_a_projec
     projection still drawn from its seed (no basis appears in the state)."""
     net = make_net()
     optimizer = slimopt.build_optimizer(net, "apollo_adamw", lr=3e-3, rank=32, update_proj_gap=3)
-    _run("apollo_adamw", range(4), net, optimizer)
+    _run(range(4), net, optimizer)
     int8 = slimopt.build_optimizer(net, "apollo_adamw", lr=3e-3, rank=32, update_proj_gap=3, states="int8")
     int8.load_state_dict(optimizer.state_dict())
     weight = net.up.weight

@@ -40,9 +40,9 @@ STORAGE_KEYS = ("states", "block_size", "basis_states")
 TORCH_ADAM_ONLY = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
 TORCH_ADAM_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 # State that every slimopt parameter keeps whatever its rule: counts, seeds, refresh schedule, basis.
+# (``basis_draw``: the step a random projection was drawn at.)
 COUNTERS = ("step", "moment_step", "nonfinite_skips", "seed", "refresh_offset", "basis_draw")
-# APOLLO's: the step a random projection was drawn at, and the norm-growth limiter's last norm.
-SHELL_KEYS = {*COUNTERS, "basis_left", "basis_right", "basis_draw", LIMITER_KEY}
+SHELL_KEYS = {*COUNTERS, "basis_left", "basis_right", LIMITER_KEY}  # LIMITER_KEY: APOLLO's
 
 
 def is_slimopt_state_dict(state_dict: dict[str, Any]) -> bool:

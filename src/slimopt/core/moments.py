@@ -91,7 +91,12 @@ def decoded(
         for key, codec in plan.moment_codecs(layout).items():
             moment_parts |= {state_key(key, part) for part in codec.parts}
     for key, value in state.items():  # the rule's own statistics (Adafactor's factored ones)
-        if isinstance(value, Tensor) and key not in moment_parts | {LIMITER_KEY} and not is_basis_key(key):
+        if (
+            isinstance(value, Tensor)
+            and key not in moment_parts
+            and key != LIMITER_KEY
+            and not is_basis_key(key)
+        ):
             moments[key] = value
     return moments
 

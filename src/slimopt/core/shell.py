@@ -380,7 +380,9 @@ class GaLoreOptimizer(Optimizer):
         if not update.plan.projected:
             update.grad = real(update.grad)
             return True
-        basis = self.refreshed_basis(update.unit, update.plan.group, update.grad)
+        plan, state = update.plan, update.state  # planned and started by ``_update``
+        refresh_when_due(plan, state, update.grad, self._refresh_group, lambda: self._probe("refresh"))
+        basis = stored_basis.basis(plan, state)
         if basis is None:
             # Not a non-finite gradient (an all-zero one, an expert no token reached): warned
             # about, not counted in nonfinite_skips.
