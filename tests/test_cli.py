@@ -119,6 +119,48 @@ def test_apollo_mini_trains_layerwise_and_resumes_exactly(workspace: Path, tmp_p
     assert [r["loss"] for r in whole] == [r["loss"] for r in split]
 
 
+@pytest.mark.parametrize(
+    ("dtype", "optimizer"), [("int8", "taco"), ("int8", "adamw8bit"), ("bf16+8", "apollo_mini")]
+)
+def test_weights_dtype_trains_resumes_exactly_and_is_planned(
+    workspace: Path, tmp_path: Path, dtype: str, optimizer: str
+) -> None:
+    """``--dtype int8`` (codes in the checkpoint) and ``--dtype bf16+8`` (the correction in the
+    optimizer's state): a resumed run repeats the uninterrupted one, and the first steps' measured
+    peak is what the planner predicts for the same weights."""
+    common = ["--optimizer", optimizer, "--dtype", dtype, "--steps", "6"]
+    assert main(["train", *common, *run_args(workspace, tmp_path / "whole")]) == 0
+    assert main(["train", *common, "--save-every", "3", *run_args(workspace, tmp_path / "split")]) == 0
+    for step in range(4, 7):
+        (tmp_path / "split" / "checkpoints" / f"step-{step:08d}" / "manifest.json").unlink(missing_ok=True)
+    resumed = ["train", *common, "--resume", str(tmp_path / "split"), *run_args(workspace, tmp_path / "split")]
+    assert main(resumed) == 0
+    whole, split = metrics(tmp_path / "whole"), metrics(tmp_path / "split")
+    assert whole[-1]["loss"] < whole[0]["loss"]
+    assert [r["loss"] for r in whole] == [r["loss"] for r in split]
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "whole" / "checkpoints" / "step-00000006" / "model.safetensors"))
+    codes = [key for key in saved if key.endswith("weight_codes")]
+    assert bool(codes) == (dtype == "int8") and all(saved[key].dtype == torch.int8 for key in codes)
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    planned = plan_memory(
+        str(workspace / "tiny"), optimizer, batch_size=4, seq_len=32, accumulation_steps=2, dtype=dtype,
+        vocab_size=300,
+    )  # fmt: skip
+    assert summary["peak_memory_bytes"] == pytest.approx(planned.peak_bytes, rel=0.05)
+
+
+def test_a_bad_weights_dtype_exits_2_naming_the_choices(workspace: Path, tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--dtype", "fp8", *run_args(workspace, tmp_path / "run")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "unknown weight dtype 'fp8'; valid: fp32, bf16, bf16+8, int8" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_sigint_saves_a_checkpoint_and_stops(workspace: Path, tmp_path: Path) -> None:
     out = tmp_path / "interrupted"
     argv = ["train", "--steps", "400", *run_args(workspace, out)]

@@ -68,6 +68,21 @@ CONFIGURATIONS = {
         batch_size=2,
         seq_len=64,
     ),
+    "int8 weights, taco layer-wise checkpointing": dict(
+        model="llama_9m",
+        optimizer="taco",
+        layerwise=True,
+        checkpointing=True,
+        dtype="int8",
+        batch_size=2,
+        seq_len=128,
+    ),
+    "int8 weights, apollo-mini": dict(
+        model="llama_9m", optimizer="apollo_mini", dtype="int8", batch_size=2, seq_len=64
+    ),
+    "bf16+8 weights, adamw8bit accumulation": dict(
+        model="llama_9m", optimizer="adamw8bit", dtype="bf16+8", accumulation_steps=2, batch_size=2, seq_len=64
+    ),
     "gqa config, galore adafactor": dict(
         model="gqa", optimizer="galore_adafactor", rank=16, batch_size=2, seq_len=96
     ),
@@ -181,6 +196,16 @@ def test_llama_7b_fits_16_gib_with_ternary_states_and_20_gib_with_int8() -> None
     assert int8.at_peak["gradients"] < 2**30  # layer-wise: no full set of gradients
 
 
+@pytest.mark.slow  # 7B and 13B models on the meta device, four configurations: ~2 min
+def test_int8_weights_fit_llama_7b_in_12_gib_and_llama_13b_in_24_gib() -> None:
+    """Issue 31's goals: layer-wise, activation checkpointing, int8 weights."""
+    for model, limit in (("llama_7b", 12), ("llama_13b", 24)):
+        for optimizer in ("taco", "apollo_mini"):
+            plan = plan_memory(model, optimizer, layerwise=True, checkpointing=True, dtype="int8")
+            assert plan.peak_bytes <= limit * 2**30, (model, optimizer, plan.peak_bytes / 2**30)
+    assert plan.parameters == pytest.approx(13.0e9, rel=0.02)
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
@@ -192,7 +217,14 @@ def test_llama_7b_fits_16_gib_with_ternary_states_and_20_gib_with_int8() -> None
         ),
         (dict(model="llama_9m", optimizer="adamw", seq_len=-1), "seq len must be a positive integer, got -1"),
         (dict(model="llama_9m", optimizer="galore_adamw", rank=129), "rank 129 is larger than the matrix"),
-        (dict(model="llama_9m", optimizer="adamw", dtype="fp16"), "unknown dtype 'fp16'; valid: bf16, fp32"),
+        (
+            dict(model="llama_9m", optimizer="adamw", dtype="fp16"),
+            r"unknown weight dtype 'fp16'; valid: fp32, bf16, bf16\+8, int8",
+        ),
+        (
+            dict(model="llama_9m", optimizer="adamw", dtype="bf16+8", param_rounding="stochastic"),
+            r"bf16\+8 weights take param_rounding='corrected', not 'stochastic'",
+        ),
         (
             dict(model="llama_9m", optimizer="galore_adamw", layerwise=True, refresh_from="first"),
             "unknown refresh_from 'first'; valid: step, micro_batch",

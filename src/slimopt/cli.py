@@ -33,6 +33,7 @@ from slimopt.options import PROJECTION_DEFAULTS, STORAGE_DEFAULTS
 from slimopt.registry import OPTIMIZERS, OPTION_TYPES, available_optimizers, parse_option, resolve_name
 from slimopt.train.config import read_config_file
 from slimopt.train.models import LLAMA_PRESETS
+from slimopt.weight_formats import weight_dtype
 
 # Flags that configure the optimizer rather than the run, with their types (``stagger``, a
 # boolean that is on by default, is left to config files and the Python API; ``fused`` is
@@ -64,6 +65,19 @@ PRESETS: dict[str, dict[str, Any]] = {
 QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 # "--lr -1e-3": argparse takes a value that starts with "-" and is no plain decimal for a flag.
 NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+DTYPE_HELP = (
+    "how the weights are stored: fp32, bf16, bf16+8 (bf16 and an 8-bit correction, 24 bits) or "
+    "int8 (linear weights as int8 codes, stochastic rounding; the rest bf16)"
+)
+
+
+def _weight_dtype(text: str) -> str:
+    try:
+        return weight_dtype(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 class Parser(argparse.ArgumentParser):
@@ -136,6 +150,7 @@ def _run_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, help="random seed (default 0)")
     parser.add_argument("--bf16", action="store_true", default=None, help="bf16 autocast")
+    parser.add_argument("--dtype", type=_weight_dtype, help=f"{DTYPE_HELP} (default fp32)")
     parser.add_argument("--checkpointing", action="store_true", default=None, help="activation checkpointing")
     parser.add_argument(
         "--layerwise",
@@ -230,6 +245,9 @@ def _bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per optimizer (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--rank", type=int, help="GaLore rank (default: a quarter of the smaller side)")
+    parser.add_argument(
+        "--dtype", type=_weight_dtype, help=f"{DTYPE_HELP} (default: bf16 on CUDA, fp32 on the CPU)"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
 
 
@@ -244,7 +262,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         raise ValueError(f"--warmup must be an integer >= 0, got {args.warmup}")
     device = resolve_device(args.device)
-    names, skipped = available([n.strip() for n in args.optimizers.split(",") if n.strip()], device)
+    names, skipped = available(
+        [n.strip() for n in args.optimizers.split(",") if n.strip()], device, args.dtype
+    )
     for reason in skipped:
         print(f"slimopt: skipping {reason}", file=sys.stderr)
     rows = bench(
@@ -256,11 +276,13 @@ def run_bench(args: argparse.Namespace) -> int:
         steps=args.steps,
         warmup=args.warmup,
         rank=args.rank,
+        dtype=args.dtype,
         progress=lambda name: print(f"slimopt: measuring {name}", file=sys.stderr),
     )
     setting = {
         "model": args.model,
         "device": str(device),
+        "dtype": args.dtype,
         "batch": args.batch,
         "seq": args.seq,
         "steps": args.steps,
@@ -268,7 +290,8 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     title = (
-        f"{args.model} on {device} (torch {torch.__version__}), {args.batch}×{args.seq} tokens, "
+        f"{args.model} on {device} (torch {torch.__version__}), {args.dtype or 'default'} weights, "
+        f"{args.batch}×{args.seq} tokens, "
         f"median of {args.steps} steps after {args.warmup}"
     )
     print(table(rows, title))
@@ -295,7 +318,7 @@ def _memory_flags(parser: argparse.ArgumentParser) -> None:
         help="with --layerwise: refreshes from the step's gradient (default) or its first micro-batch's",
     )
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
-    parser.add_argument("--dtype", default="bf16", help="weights dtype: bf16 (default) or fp32")
+    parser.add_argument("--dtype", type=_weight_dtype, default="bf16", help=f"{DTYPE_HELP} (default bf16)")
     parser.add_argument("--vocab-size", type=int, default=32000, help="vocabulary (default 32000)")
     parser.add_argument("--gpu-memory", type=float, help="the card's memory in GiB, for a verdict")
     parser.add_argument(

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from slimopt.core.scaling import LIMITER_KEY
+from slimopt.core.weights import CORRECTION_KEY
 from slimopt.earlier_layouts import carried_over
 
 # The optimizer these functions take: slimopt's shell (``slimopt.core.shell.GaLoreOptimizer``),
@@ -42,7 +43,10 @@ TORCH_ADAM_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 # State that every slimopt parameter keeps whatever its rule: counts, seeds, refresh schedule, basis.
 # (``basis_draw``: the step a random projection was drawn at.)
 COUNTERS = ("step", "moment_step", "nonfinite_skips", "seed", "refresh_offset", "basis_draw")
-SHELL_KEYS = {*COUNTERS, "basis_left", "basis_right", LIMITER_KEY}  # LIMITER_KEY: APOLLO's
+# LIMITER_KEY: APOLLO's; CORRECTION_KEY: bf16 weights' 8-bit correction (param_rounding="corrected").
+SHELL_KEYS = {*COUNTERS, "basis_left", "basis_right", LIMITER_KEY, CORRECTION_KEY}
+
+KEPT_ON_CONVERSION = (LIMITER_KEY, CORRECTION_KEY)  # no moments: kept as saved in any storage
 
 
 def is_slimopt_state_dict(state_dict: dict[str, Any]) -> bool:
@@ -266,8 +270,8 @@ def restore_storage(optimizer: GaLoreOptimizer, storage: list[dict[str, Any]]) -
         group.update(wanted)
         for unit, moments, basis in contents:
             state = optimizer.state_of(unit)
-            # Moments and bases are stored anew; APOLLO's limiter norm is no moment and stays.
-            for key in [k for k, v in state.items() if isinstance(v, Tensor) and k != LIMITER_KEY]:
+            # Moments and bases are stored anew; APOLLO's limiter norm and a weight correction stay.
+            for key in [k for k, v in state.items() if isinstance(v, Tensor) and k not in KEPT_ON_CONVERSION]:
                 del state[key]
             if moments:
                 optimizer.store_moments(unit, moments)

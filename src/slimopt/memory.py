@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 
@@ -38,12 +38,21 @@ def state_nbytes(optimizer: Optimizer) -> int:
     return sum(value.numel() * value.element_size() for value in state_tensors(optimizer))
 
 
+def storages(tensor: Tensor) -> list[Any]:
+    """The storages behind ``tensor``: its own, or those of the tensors a wrapper subclass
+    holds (an int8 weight's codes and scales)."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return [storage for name in names for storage in storages(getattr(tensor, name))]
+    return [tensor.untyped_storage()]
+
+
 def storage_nbytes(tensors: Iterable[Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
     seen: dict[int, int] = {}
     for tensor in tensors:
-        storage = tensor.untyped_storage()
-        seen[id(storage)] = storage.nbytes()
+        for storage in storages(tensor):
+            seen[id(storage)] = storage.nbytes()
     return sum(seen.values())
 
 
@@ -107,14 +116,22 @@ class LiveBytes(TorchDispatchMode):
         if _untracked_depth:
             return result
         # An output on an input's storage (a view, an in-place or out= result) is no allocation.
-        inputs = {id(v.untyped_storage()) for v in tree_flatten((args, kwargs))[0] if isinstance(v, Tensor)}
+        inputs = {
+            id(storage)
+            for value in tree_flatten((args, kwargs))[0]
+            if isinstance(value, Tensor)
+            for storage in storages(value)
+        }
         for value in tree_flatten(result)[0]:
             if isinstance(value, Tensor):
                 self._track(value, inputs)
         return result
 
     def _track(self, tensor: Tensor, inputs: set[int] = frozenset()) -> None:
-        storage = tensor.untyped_storage()
+        for storage in storages(tensor):
+            self._track_storage(storage, inputs)
+
+    def _track_storage(self, storage: Any, inputs: set[int]) -> None:
         key, size = id(storage), storage.nbytes()
         known = self._sizes.get(key)
         if known == size or (known is None and key in inputs):

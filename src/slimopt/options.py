@@ -20,6 +20,7 @@ from slimopt.projection import PROJ_METHODS, PROJ_TYPES
 from slimopt.projection import sides as projection_sides
 from slimopt.rules import UpdateRule
 from slimopt.sharding import placement_error, split_by_rows
+from slimopt.weight_formats.int8 import Int8Weight
 
 SUBSPACE_POLICIES = ("keep", "reset", "rotate")
 # APOLLO: how the rule's direction in the projected space scales the raw gradient (None: it is
@@ -50,7 +51,7 @@ STORAGE_DEFAULTS: dict[str, Any] = {
     "fused": None,
 }
 # How an update is rounded into a bf16 parameter.
-PARAM_ROUNDINGS = ("nearest", "stochastic")
+PARAM_ROUNDINGS = ("nearest", "stochastic", "corrected")
 
 
 def is_projected(param: Tensor, group: dict[str, Any]) -> bool:
@@ -89,6 +90,10 @@ def fused_unsupported(rule: UpdateRule, group: dict[str, Any], param: Tensor) ->
         return "APOLLO's gradient scaling (scale_type) has no fused step"
     if param.dtype not in (torch.float32, torch.bfloat16):
         return f"{param.dtype} parameters have no fused step (fp32 and bf16 only)"
+    if isinstance(param, Int8Weight):
+        return "int8 weights have no fused step"
+    if group["param_rounding"] == "corrected":
+        return "bf16 weights with an 8-bit correction (param_rounding='corrected') have no fused step"
     return None
 
 
@@ -129,12 +134,24 @@ def _storage_errors(group: dict[str, Any]) -> list[str]:
     rounding = group["param_rounding"]
     if rounding not in PARAM_ROUNDINGS:
         errors.append(f"unknown param_rounding {rounding!r}; valid: {', '.join(PARAM_ROUNDINGS)}")
-    elif group["param_rounding"] == "stochastic":
+    elif rounding == "stochastic":
         shapes = [tuple(p.shape) for p in group["params"] if p.dtype == torch.float16]
         if shapes:
             errors.append(
                 f"param_rounding='stochastic' rounds to bf16, but parameters {shapes} are float16; "
                 "use bf16 parameters or param_rounding='nearest'"
+            )
+    elif rounding == "corrected":
+        shapes = [
+            tuple(p.shape)
+            for p in group["params"]
+            if p.dtype != torch.bfloat16 and not isinstance(p, Int8Weight) and p.is_floating_point()
+        ]
+        if shapes:
+            errors.append(
+                f"param_rounding='corrected' keeps an 8-bit correction of bf16 weights, but parameters "
+                f"{shapes} are not bf16; cast them to bf16 (quantize_weights(model, 'bf16')) or use "
+                "param_rounding='nearest'"
             )
     try:
         moment_formats(group["states"])

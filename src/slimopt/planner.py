@@ -29,11 +29,13 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from slimopt.core.basis import is_basis_key
+from slimopt.core.weights import CORRECTION_KEY
 from slimopt.distributed import STRATEGIES as PROCESS_STRATEGIES
 from slimopt.layerwise import check_refresh_from, layerwise
-from slimopt.memory import LiveBytes, storage_nbytes
+from slimopt.memory import LiveBytes, storage_nbytes, storages
 from slimopt.process_memory import parameter_bytes, per_process
 from slimopt.registry import OPTIMIZERS, build_optimizer, projected_weights, resolve_name
+from slimopt.weight_formats import COMPUTE_DTYPES, optimizer_options, quantize_weights, weight_dtype
 
 TERMS = (
     "weights",
@@ -45,7 +47,6 @@ TERMS = (
     "workspace",
 )
 PERSISTENT = ("weights", "optimizer_states", "projection_bases")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # What a CUDA process needs beyond its tensors: the context (~0.5 GiB on recent GPUs), cuBLAS
 # workspaces and the caching allocator's rounding and fragmentation.
 CUDA_OVERHEAD_BYTES = 1 << 30
@@ -170,7 +171,9 @@ def plan_memory(
     """Predict the memory of training ``model`` with ``optimizer`` (a registry name).
 
     ``model`` is a LLaMA preset (``slimopt.train.models.LLAMA_PRESETS``) or a Hugging Face config
-    file or directory; ``dtype`` ("bf16" or "fp32") is the weights' dtype; ``batch_size`` sequences
+    file or directory; ``dtype`` is how the weights are stored (``slimopt.weight_formats``:
+    "fp32", "bf16", "bf16+8" — bf16 and an 8-bit correction, counted with the weights — or
+    "int8" linear weights with the rest bf16); ``batch_size`` sequences
     of ``seq_len`` tokens per micro-batch, ``accumulation_steps`` micro-batches per step;
     ``refresh_from`` is ``slimopt.layerwise``'s option of that name. With ``distributed``
     ("ddp", "zero1" or "fsdp2") the plan also holds, in ``per_process``, the step of the busiest
@@ -208,8 +211,7 @@ def _setting(arguments: dict[str, Any]) -> dict[str, Any]:
         value = setting[key]
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{key.replace('_', ' ')} must be a positive integer, got {value!r}")
-    if setting["dtype"] not in DTYPES:
-        raise ValueError(f"unknown dtype {setting['dtype']!r}; valid: {', '.join(DTYPES)}")
+    setting["dtype"] = weight_dtype(setting["dtype"])
     gpu = setting["gpu_memory_gib"]
     if gpu is not None and not gpu > 0:
         raise ValueError(f"gpu memory must be a positive number of GiB, got {gpu!r}")
@@ -236,13 +238,14 @@ def build_model(setting: dict[str, Any], device: torch.device) -> nn.Module:
     from slimopt.train import models
 
     with torch.device(device):
-        return models.build_model(
+        model = models.build_model(
             setting["model"],
             setting["vocab_size"],
             setting["seq_len"],
-            dtype=DTYPES[setting["dtype"]],
+            dtype=COMPUTE_DTYPES[setting["dtype"]],
             checkpointing=setting["checkpointing"],
         )
+    return quantize_weights(model, "int8") if setting["dtype"] == "int8" else model
 
 
 def _check_rank(model: nn.Module, setting: dict[str, Any], options: dict[str, Any]) -> None:
@@ -265,7 +268,8 @@ def _run(
     model = build_model(setting, device)
     _check_rank(model, setting, options)
     projection = {"rank": setting["rank"]} if setting["rank"] is not None else {}
-    optimizer = build_optimizer(model, setting["optimizer"], lr=1e-3, **projection, **options)
+    storage = optimizer_options(setting["dtype"], options)
+    optimizer = build_optimizer(model, setting["optimizer"], lr=1e-3, **projection, **options, **storage)
     k = setting["accumulation_steps"]
     handle = layerwise(optimizer, k, refresh_from=setting["refresh_from"]) if setting["layerwise"] else None
     params = list(model.parameters())
@@ -354,9 +358,10 @@ def _known_tensors(
     ``params``, states, bases and layer-wise accumulation buffers."""
     states = [(key, v) for s in optimizer.state.values() for key, v in s.items() if isinstance(v, Tensor)]
     return {
-        "weights": weights,
+        # bf16 weights' 8-bit corrections are part of the weights (24 bits each).
+        "weights": weights + [v for key, v in states if key == CORRECTION_KEY],
         "gradients": [p.grad for p in params if p.grad is not None],
-        "optimizer_states": [v for key, v in states if not is_basis_key(key)],
+        "optimizer_states": [v for key, v in states if not is_basis_key(key) and key != CORRECTION_KEY],
         "projection_bases": [v for key, v in states if is_basis_key(key)],
         "accumulation_buffers": list(handle.accumulation_buffers.values()) if handle else [],
     }
@@ -366,7 +371,9 @@ def _terms(tracker: LiveBytes, known: dict[str, list[Tensor]]) -> dict[str, int]
     """Bytes of each known term, of activations (storages created in forward) and of the
     workspace (every other live storage)."""
     terms = {term: storage_nbytes(tensors) for term, tensors in known.items()}
-    by_tag = tracker.live_by_tag({id(t.untyped_storage()) for ts in known.values() for t in ts})
+    by_tag = tracker.live_by_tag(
+        {id(storage) for ts in known.values() for t in ts for storage in storages(t)}
+    )
     terms["activations"] = by_tag.pop("forward", 0)  # created in forward, not a known term
     terms["workspace"] = sum(by_tag.values())
     return terms

@@ -57,3 +57,11 @@ def uniform_from_words(words: Tensor) -> Tensor:
 def uniform(seed: Tensor, count: int) -> Tensor:
     """The first ``count`` draws of stream ``seed`` as fp32 values in [0, 1)."""
     return uniform_from_words(random_words(seed, draw_indices(count, seed.device)))
+
+
+def floor_stochastically_(values: Tensor, generator: torch.Generator | None) -> Tensor:
+    """``values`` rounded in place to an integer below or above, up with probability equal to
+    the fractional part, so the rounding is unbiased: ⌊x + u⌋ with u the next stream of
+    ``generator``'s draws (``stream_seed``), one per element."""
+    draws = uniform(stream_seed(generator, values.device), values.numel()).view(values.shape)
+    return values.add_(draws).floor_()

@@ -21,7 +21,7 @@ from slimopt.core.outcome import NotCompiled, Outcome
 from slimopt.core.record import Update, begin
 from slimopt.core.reference import reference_update
 from slimopt.core.tensors import as_matrix, matrix_of, values
-from slimopt.core.weights import WeightStep, update_weights_projected
+from slimopt.core.weights import update_weights_projected, weight_step
 from slimopt.kernels import adafactor
 from slimopt.kernels.adafactor import AdafactorScalars
 from slimopt.rules import AdamWRule
@@ -41,8 +41,7 @@ def fused_update(update: Update) -> Outcome:
         else:
             direction = fused_step(update, matrix, moments, None)
             lr = plan.rule.step_size(group, weights, step)
-            rounding = update.generator if plan.rounds_weights else None
-            write = WeightStep(lr, group["scale"], group["weight_decay"], rounding, update.keep)
+            write = weight_step(plan, state, weights, update.generator, lr, group["scale"], update.keep)
             for _, rows in slices_to_update(*weights.shape, meta=False):
                 update_weights_projected(weights, direction, update.basis, rows, write)
     return Outcome.TAKEN if update.keep is None else Outcome.MASKED

@@ -16,6 +16,7 @@ from slimopt.core.basis import is_basis_key
 from slimopt.core.plan import Plan
 from slimopt.core.scaling import LIMITER_KEY
 from slimopt.core.seeds import LOAD_STREAM, rounding_generator
+from slimopt.core.weights import CORRECTION_KEY
 from slimopt.projection import Basis, projected_shape
 
 State = MutableMapping[str, Any]
@@ -94,7 +95,7 @@ def decoded(
         if (
             isinstance(value, Tensor)
             and key not in moment_parts
-            and key != LIMITER_KEY
+            and key not in (LIMITER_KEY, CORRECTION_KEY)
             and not is_basis_key(key)
         ):
             moments[key] = value

@@ -25,6 +25,7 @@ from slimopt.core.tensors import values
 from slimopt.options import fused_unsupported, is_projected
 from slimopt.rules import UpdateRule
 from slimopt.sharding import RowSharding
+from slimopt.weight_formats.int8 import Int8Weight
 
 # The group options a plan depends on: changing one of them makes a new plan.
 LAYOUT_OPTIONS = (
@@ -68,7 +69,8 @@ class Plan:
     values_shape: torch.Size  # this process's values (real pairs of a complex parameter)
     by_row_slices: bool  # moments stored and updated a slice of rows at a time
     fusable: bool  # whether updates take the fused step (unless auto mode gives it up)
-    rounds_weights: bool  # bf16 weights rounded stochastically
+    rounds_weights: bool  # weights rounded stochastically: bf16 (or its correction), int8
+    corrects_weights: bool  # bf16 weights with an 8-bit correction in the state
     place: Place
 
     @property
@@ -161,7 +163,9 @@ def make_plan(
         values_shape=shape,
         by_row_slices=not projected and rule.elementwise and sliced(shape),
         fusable=fusable(unit, group, rule),
-        rounds_weights=group["param_rounding"] == "stochastic" and unit.dtype == torch.bfloat16,
+        rounds_weights=isinstance(unit, Int8Weight)
+        or (group["param_rounding"] != "nearest" and unit.dtype == torch.bfloat16),
+        corrects_weights=corrects_weights(unit, group),
         place=context.place(param),
     )
 
@@ -174,6 +178,15 @@ class PlanContext:
     rule_of: Callable[[dict[str, Any]], UpdateRule]
     sharding: Callable[[Tensor], RowSharding | None]
     place: Callable[[Tensor], Place]
+
+
+def corrects_weights(unit: Tensor, group: dict[str, Any]) -> bool:
+    """Whether ``unit``'s updates keep an 8-bit correction of its bf16 values."""
+    return (
+        group["param_rounding"] == "corrected"
+        and unit.dtype == torch.bfloat16
+        and not isinstance(unit, Int8Weight)
+    )
 
 
 def fusable(param: Tensor, group: dict[str, Any], rule: UpdateRule) -> bool:

@@ -11,7 +11,7 @@ from slimopt.core.outcome import Outcome
 from slimopt.core.record import Update
 from slimopt.core.scaling import limited, scaling_factor, write_scaled
 from slimopt.core.tensors import as_matrix, matrix_of
-from slimopt.core.weights import WeightStep, update_weights, update_weights_projected
+from slimopt.core.weights import update_weights, update_weights_projected, weight_step
 
 
 def reference_update(update: Update) -> Outcome:
@@ -25,13 +25,12 @@ def reference_update(update: Update) -> Outcome:
     encode(plan, state, moments, update.generator, update.layout)
     with matrix_of(update.unit) as weights:
         lr = plan.rule.step_size(group, weights, state["step"])
-        rounding = update.generator if plan.rounds_weights else None
         if update.basis is None:
             update_weights(
-                weights, as_matrix(direction), WeightStep(lr, 1.0, group["weight_decay"], rounding)
+                weights, as_matrix(direction), weight_step(plan, state, weights, update.generator, lr, 1.0)
             )
             return Outcome.TAKEN
-        step = WeightStep(lr, group["scale"], group["weight_decay"], rounding)
+        step = weight_step(plan, state, weights, update.generator, lr, group["scale"])
         if plan.scales_gradient:
             factor = scaling_factor(plan, update.grad, direction, update.basis)
             write_scaled(weights, update.raw, limited(plan, state, update.raw, factor, update.age), step)

@@ -12,7 +12,7 @@ from slimopt.core.record import Update
 from slimopt.core.seeds import rounding_generator
 from slimopt.core.tensors import as_matrix, matrix_of
 from slimopt.core.units import advance
-from slimopt.core.weights import WeightStep, update_weights
+from slimopt.core.weights import update_weights, weight_step
 
 
 def update_by_row_slices(update: Update) -> Outcome:
@@ -34,7 +34,7 @@ def update_by_row_slices(update: Update) -> Outcome:
         update.generator = rounding_generator(plan, state, update.layout)
         update.age = advance(state)
         lr = plan.rule.step_size(group, weights, state["step"])
-        rounding = update.generator if plan.rounds_weights else None
+        write = weight_step(plan, state, weights, update.generator, lr, 1.0)
         fused = not first and plan.fused
         for index, rows in slices_to_update(*weights.shape, meta=weights.is_meta):
             slice_grad = grad[rows].float()
@@ -62,5 +62,5 @@ def update_by_row_slices(update: Update) -> Outcome:
             direction = plan.rule.direction(slice_grad, moments, update.age, group)
             for key, storage in storages.items():
                 storage.encode(stored[key], index, moments[key], update.generator)
-            update_weights(weights[rows], direction, WeightStep(lr, 1.0, group["weight_decay"], rounding))
+            update_weights(weights[rows], direction, write.of_rows(rows))
     return Outcome.TAKEN if update.keep is None else Outcome.MASKED

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import MutableMapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -78,9 +79,9 @@ def _scaled_norm(plan: Plan, raw: Tensor, factor: Tensor) -> Tensor:
 def write_scaled(weights: Tensor, raw: Tensor, factor: Tensor, step: WeightStep) -> None:
     """``w ← w·(1 − lr·wd) − lr·√scale·raw·factor``, a slice of rows at a time (``step.scale``
     is the group's ``scale``; its square root is taken here)."""
-    write = WeightStep(step.lr, math.sqrt(step.scale), step.weight_decay, step.generator)
+    write = replace(step, scale=math.sqrt(step.scale))
     for _, rows in slices_to_update(*weights.shape, meta=weights.is_meta):
-        update_weights(weights[rows], raw[rows].float() * _rows_of(factor, rows), write)
+        update_weights(weights[rows], raw[rows].float() * _rows_of(factor, rows), write.of_rows(rows))
 
 
 def _rows_of(factor: Tensor, rows: slice) -> Tensor:

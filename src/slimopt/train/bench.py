@@ -1,9 +1,10 @@
 """``slimopt bench``: optimizer-step and training-step time, state bytes and peak memory of
 slimopt's optimizers beside the references, on one LLaMA preset, in one run.
 
-Each optimizer trains a freshly built model (random init; bf16 weights on CUDA, fp32 on the CPU)
-on random tokens: warm-up steps first (they create the state, and compile fused steps), then
-timed steps, each timed whole (forward, backward, optimizer step) and the optimizer step alone.
+Each optimizer trains a freshly built model (random init; weights stored as ``dtype`` says, by
+default bf16 on CUDA and fp32 on the CPU) on random tokens: warm-up steps first (they create the
+state, and compile fused steps), then timed steps, each timed whole (forward, backward,
+optimizer step) and the optimizer step alone.
 References are measured where their package is installed: torch's AdamW (``foreach``, and
 ``fused`` on CUDA), bitsandbytes' AdamW8bit, torchao's AdamW8bit and AdamW4bit, galore-torch's
 GaLoreAdamW8bit. Peak memory is ``torch.cuda.max_memory_allocated`` on CUDA and the live tensor
@@ -26,6 +27,7 @@ from torch import Tensor, nn
 
 from slimopt.memory import LiveBytes, state_tensors
 from slimopt.registry import OPTIMIZERS, build_optimizer, resolve_name
+from slimopt.weight_formats import COMPUTE_DTYPES, optimizer_options, quantize_weights
 
 # References: name → (package that must be installed, whether it needs CUDA, constructor).
 REFERENCES: dict[str, tuple[str | None, bool, Callable[[nn.Module, float], Any]]] = {
@@ -45,20 +47,29 @@ REFERENCES: dict[str, tuple[str | None, bool, Callable[[nn.Module, float], Any]]
     "galore_torch_adamw8bit": ("galore_torch", True, lambda m, lr: _galore_torch(m, lr)),  # rank 512
     "apollo_torch_mini": ("apollo_torch", False, lambda m, lr: _apollo_torch_mini(m, lr)),
 }
+# Weight dtypes only slimopt's optimizers write, and why.
+SLIMOPT_ONLY = {
+    "int8": "the references would change the codes in place",
+    "bf16+8": "the references keep no correction",
+}
 DEFAULT = (
     "torch_adamw_foreach,torch_adamw_fused,bnb_adamw8bit,torchao_adamw8bit,apollo_torch_mini,adamw,adamw8bit,"
     "galore_adamw8bit,apollo_mini"
 )
 
 
-def available(names: list[str], device: torch.device) -> tuple[list[str], list[str]]:
+def available(
+    names: list[str], device: torch.device, dtype: str | None = None
+) -> tuple[list[str], list[str]]:
     """``names`` split into those measurable here and those left out (with why). Raises
     ``ValueError`` for a name that is neither slimopt's nor a reference."""
     kept, skipped = [], []
     for name in names:
         if name in REFERENCES:
             package, cuda_only, _ = REFERENCES[name]
-            if cuda_only and device.type != "cuda":
+            if dtype in SLIMOPT_ONLY:
+                skipped.append(f"{name} ({dtype} weights: {SLIMOPT_ONLY[dtype]})")
+            elif cuda_only and device.type != "cuda":
                 skipped.append(f"{name} (CUDA only)")
             elif package is not None and importlib.util.find_spec(package) is None:
                 skipped.append(f"{name} ({package} is not installed)")
@@ -85,18 +96,20 @@ def bench(
     warmup: int = 2,
     rank: int | None = None,
     lr: float = 1e-3,
+    dtype: str | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[dict[str, Any]]:
     """One row per optimizer: median seconds of a training step and of its optimizer step,
-    state bytes, peak memory bytes (see the module docstring)."""
+    state bytes, peak memory bytes (see the module docstring). ``dtype``: how the weights are
+    stored (``slimopt.weight_formats``; None: bf16 on CUDA, fp32 on the CPU)."""
     rows = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for name in names:
         progress(name)
         torch.manual_seed(0)
-        model = _model(model_name, device)
-        optimizer = _optimizer(model, name, lr, rank)
+        model = _model(model_name, device, dtype)
+        optimizer = _optimizer(model, name, lr, rank, dtype)
         vocab = model.config.vocab_size
         step_seconds, optimizer_seconds = [], []
         for step in range(warmup + steps):
@@ -154,19 +167,21 @@ def write_json(rows: list[dict[str, Any]], setting: dict[str, Any], path: str | 
     return path
 
 
-def _model(name: str, device: torch.device) -> nn.Module:
+def _model(name: str, device: torch.device, dtype: str | None) -> nn.Module:
     from slimopt.train.models import build_model
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
     with torch.device(device):
-        return build_model(name, 32000, 2048, dtype=dtype)
+        model = build_model(name, 32000, 2048, dtype=COMPUTE_DTYPES[dtype])
+    return quantize_weights(model, "int8") if dtype == "int8" else model
 
 
-def _optimizer(model: nn.Module, name: str, lr: float, rank: int | None) -> Any:
+def _optimizer(model: nn.Module, name: str, lr: float, rank: int | None, dtype: str | None) -> Any:
     if name in REFERENCES:
         return REFERENCES[name][2](model, lr)
     projection = {"rank": rank} if rank is not None and OPTIMIZERS[resolve_name(name)].projected else {}
-    return build_optimizer(model, name, lr=lr, **projection)
+    storage = optimizer_options(dtype, {}) if dtype else {}
+    return build_optimizer(model, name, lr=lr, **projection, **storage)
 
 
 def _peak(

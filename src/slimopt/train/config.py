@@ -13,6 +13,7 @@ import torch
 from slimopt.distributed import STRATEGIES
 from slimopt.layerwise import check_refresh_from
 from slimopt.train.rundir import default_out
+from slimopt.weight_formats import optimizer_options, weight_dtype
 
 
 @dataclass
@@ -40,7 +41,8 @@ class TrainConfig:
     device: str = "auto"  # auto (CUDA when available), cpu or cuda
     resume: str | None = None
     seed: int = 0
-    bf16: bool = False
+    bf16: bool = False  # bf16 autocast
+    dtype: str = "fp32"  # how the weights are stored: fp32, bf16, bf16+8 or int8 (slimopt.weight_formats)
     checkpointing: bool = False
     layerwise: bool = False  # update each parameter inside backward (slimopt.layerwise)
     distributed: str | None = None  # under torchrun: ddp (its default), zero1 or fsdp2; none: one process
@@ -71,6 +73,8 @@ class TrainConfig:
         if self.device not in DEVICES:
             raise ValueError(f"unknown --device {self.device!r}; valid: {', '.join(DEVICES)}")
         check_refresh_from(self.refresh_from, self.layerwise, "add --layerwise")
+        self.dtype = weight_dtype(self.dtype)
+        optimizer_options(self.dtype, self.optimizer_options)  # raises on a contradiction
         if self.distributed == "none":
             self.distributed = None
         if self.distributed is not None and self.distributed not in STRATEGIES:
@@ -81,10 +85,19 @@ class TrainConfig:
                 f"--layerwise with --distributed {self.distributed}: DDP averages gradients after "
                 "backward, so layer-wise updates would see unaveraged ones; use --distributed fsdp2"
             )
+        if self.dtype == "int8" and self.distributed is not None:
+            raise ValueError(
+                f"--dtype int8 with --distributed {self.distributed}: int8 weights train in one "
+                "process; use --dtype bf16+8 or bf16 with several"
+            )
         if self.resume and not Path(self.resume).is_dir():
             raise ValueError(f"resume directory {self.resume!r} does not exist")
         if self.out is None:
             self.out = str(default_out(f"{Path(self.model).name}-{self.optimizer}"))
+
+    def optimizer_settings(self) -> dict[str, Any]:
+        """The optimizer's options: ``optimizer_options`` and what the weights' dtype needs."""
+        return {**self.optimizer_options, **optimizer_options(self.dtype, self.optimizer_options)}
 
     def micro_batches(self, processes: int) -> tuple[int, int]:
         """Sequences per forward pass of each process, and micro-batches per step, when

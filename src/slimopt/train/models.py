@@ -20,6 +20,7 @@ LLAMA_PRESETS: dict[str, tuple[int, int, int, int]] = {
     "llama_350m": (1024, 2736, 16, 24),
     "llama_1b": (2048, 5461, 32, 24),
     "llama_7b": (4096, 11008, 32, 32),
+    "llama_13b": (5120, 13824, 40, 40),
 }
 
 

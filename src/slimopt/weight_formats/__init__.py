@@ -1,0 +1,182 @@
+"""The dtype a model's weights are stored in, chosen once: fp32, bf16, bf16 with an 8-bit
+correction ("bf16+8", kept by the optimizer) or int8 linear weights that train.
+
+``quantize_weights(model, "int8")`` turns every ``nn.Linear`` weight (but the output head's and
+weights shared with an embedding) into an ``Int8Weight``: int8 codes with fp32 block scales,
+updated by slimopt's optimizers with unbiased stochastic rounding. The model's ``state_dict``
+then holds ``weight_codes`` and ``weight_scales`` for each such weight, and loads either those
+or plain float weights (rounded to nearest). ``export_weights`` writes the dequantized weights
+as a plain safetensors file that any model of the architecture loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from slimopt.weight_formats.int8 import BLOCK_SIZE, Int8Weight, dequantize
+
+WEIGHT_DTYPES = ("fp32", "bf16", "bf16+8", "int8")
+# Clearer spellings, accepted everywhere a weight dtype is.
+ALIASES = {"float32": "fp32", "bfloat16": "bf16", "bf16-corrected": "bf16+8", "int8-sr": "int8"}
+# The dtype each is computed (and its gradient kept) in.
+COMPUTE_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bf16+8": torch.bfloat16,
+    "int8": torch.bfloat16,
+}
+# What the optimizer needs to be told of each (bf16+8's correction is its state).
+OPTIMIZER_OPTIONS: dict[str, dict[str, Any]] = {"bf16+8": {"param_rounding": "corrected"}}
+SKIPPED_BY_DEFAULT = ("lm_head",)
+CODES, SCALES = "weight_codes", "weight_scales"
+
+__all__ = [
+    "ALIASES",
+    "BLOCK_SIZE",
+    "COMPUTE_DTYPES",
+    "WEIGHT_DTYPES",
+    "Int8Weight",
+    "dequantized_state_dict",
+    "export_weights",
+    "optimizer_options",
+    "quantize_weights",
+    "weight_dtype",
+]
+
+
+def weight_dtype(name: str) -> str:
+    """The canonical name of weight dtype ``name`` (an alias resolved); raises ``ValueError``
+    naming the valid choices."""
+    canonical = ALIASES.get(name, name)
+    if canonical not in WEIGHT_DTYPES:
+        valid = ", ".join([*WEIGHT_DTYPES, *ALIASES])
+        raise ValueError(f"unknown weight dtype {name!r}; valid: {valid}")
+    return canonical
+
+
+def optimizer_options(dtype: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer options weights stored as ``dtype`` need, not in ``options`` already;
+    raises ``ValueError`` when ``options`` contradict them."""
+    needed = OPTIMIZER_OPTIONS.get(weight_dtype(dtype), {})
+    for key, value in needed.items():
+        if key in options and options[key] != value:
+            raise ValueError(f"{dtype} weights take {key}={value!r}, not {options[key]!r}")
+    return {key: value for key, value in needed.items() if key not in options}
+
+
+def quantize_weights(
+    model: nn.Module,
+    dtype: str = "int8",
+    *,
+    block_size: int = BLOCK_SIZE,
+    skip: Iterable[str] = SKIPPED_BY_DEFAULT,
+) -> nn.Module:
+    """Store ``model``'s weights in ``dtype`` (``WEIGHT_DTYPES``), in place; returns ``model``.
+
+    "fp32" and "bf16" cast every floating-point parameter and buffer. "int8" casts the model to
+    bf16 (unless it is fp32 or bf16 already) and stores every ``nn.Linear`` weight as an
+    ``Int8Weight`` with scales per ``block_size`` columns, except modules whose name ends with
+    one of ``skip`` (the output head, by default) and weights shared with another module (a
+    tied embedding); they stay as they are. "bf16+8" raises: its correction is the optimizer's
+    state (cast to bf16 and build the optimizer with ``param_rounding="corrected"``).
+    Raises ``ValueError`` naming a bad dtype or block size, or a model already in int8 asked
+    for another dtype.
+    """
+    dtype = weight_dtype(dtype)
+    if dtype == "bf16+8":
+        raise ValueError(
+            "bf16+8 keeps its 8-bit correction in the optimizer's state: call "
+            "quantize_weights(model, 'bf16') and build the optimizer with param_rounding='corrected'"
+        )
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    quantized = [name for name, param in model.named_parameters() if isinstance(param, Int8Weight)]
+    if quantized and dtype != "int8":
+        raise ValueError(f"{quantized[0]} is int8 already; export_weights gives its values in {dtype}")
+    if dtype != "int8":
+        return model.to(COMPUTE_DTYPES[dtype])
+    if any(
+        p.is_floating_point() and p.dtype not in (torch.float32, torch.bfloat16) for p in model.parameters()
+    ):
+        model.to(torch.bfloat16)
+    shared = _shared_parameters(model)
+    skip = tuple(skip)
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if (
+            type(module) is not nn.Linear
+            or isinstance(weight, Int8Weight)
+            or id(weight) in shared
+            or any(name == s or name.endswith("." + s) for s in skip)
+        ):
+            continue
+        module.weight = nn.Parameter(
+            Int8Weight.from_float(weight, block_size), requires_grad=weight.requires_grad
+        )
+        module.register_state_dict_post_hook(_save_codes)
+        module.register_load_state_dict_pre_hook(_load_codes)
+    return model
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    """ids of parameters that more than one module holds."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    return {key for key, count in owners.items() if count > 1}
+
+
+def _save_codes(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    weight = state_dict.pop(prefix + "weight", None)
+    if isinstance(weight, Int8Weight):
+        state_dict[prefix + CODES] = weight.codes
+        state_dict[prefix + SCALES] = weight.scales
+    elif weight is not None:
+        state_dict[prefix + "weight"] = weight
+
+
+def _load_codes(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    if prefix + CODES in state_dict and prefix + SCALES in state_dict:
+        codes, scales = state_dict.pop(prefix + CODES), state_dict.pop(prefix + SCALES)
+        state_dict[prefix + "weight"] = Int8Weight(codes, scales, module.weight.dtype)
+
+
+def dequantized_state_dict(model: nn.Module, dtype: torch.dtype | None = torch.bfloat16) -> dict[str, Tensor]:
+    """``model.state_dict()`` with every int8 weight's codes and scales as its values under its
+    own name, floating-point tensors in ``dtype`` (None: as they are) and tensors shared under
+    several names kept by the first: what a plain model of the architecture loads."""
+    state = model.state_dict()
+    plain: dict[str, Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for key, tensor in state.items():
+        if key.endswith(SCALES):
+            continue
+        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if where in seen and tensor.numel():
+            continue
+        seen.add(where)
+        if key.endswith(CODES):
+            key = key[: -len(CODES)] + "weight"
+            tensor = dequantize(tensor, state[key[: -len("weight")] + SCALES])
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        plain[key] = tensor.detach().contiguous()
+    return plain
+
+
+def export_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> Path:
+    """Write ``dequantized_state_dict(model, dtype)`` as a safetensors file at ``path``
+    (atomically: a file of that name appears whole or not at all); returns the path."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.partial")
+    save_file({k: v.cpu() for k, v in dequantized_state_dict(model, dtype).items()}, str(staging))
+    staging.replace(path)
+    return path

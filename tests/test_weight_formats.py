@@ -1,0 +1,317 @@
+"""Weights stored in int8 (codes + block scales, stochastic rounding) or bf16 with an 8-bit
+correction: rounding is unbiased, the matmuls equal those of the dequantized weights, every
+optimizer trains such a model, a resumed run equals an unbroken one bit for bit, and exports
+hold the dequantized values."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import slimopt
+from slimopt.train.models import build_llama
+from slimopt.weight_formats import (
+    Int8Weight,
+    dequantized_state_dict,
+    export_weights,
+    quantize_weights,
+    weight_dtype,
+)
+from slimopt.weight_formats.corrected import corrected, split_
+from slimopt.weight_formats.int8 import CODE_MAX, dequantize, quantize, store_
+from tests.support import relative_error, token_batch, train_language_model
+
+
+def tiny_llama(dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    torch.manual_seed(0)
+    return build_llama((64, 128, 4, 2), vocab_size=256).to(dtype)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(512, 96), nn.ReLU(), nn.Linear(96, 8))
+
+
+# --- rounding -------------------------------------------------------------------------------
+
+
+def test_stochastic_rounding_into_codes_is_unbiased() -> None:
+    """The mean of many stochastic writes of w + Δ (Δ a fraction of a code) is w + Δ."""
+    torch.manual_seed(1)
+    weight = torch.randn(4, 256)
+    codes, scales = quantize(weight)
+    start = dequantize(codes, scales)
+    change = scales.repeat_interleave(256, dim=1) * (torch.rand(4, 256) - 0.5) * 0.8
+    change[codes.abs() >= CODE_MAX - 1] = 0  # the largest stay: every block keeps its scale
+    target = start + change
+    draws = 4000
+    total = torch.zeros_like(target, dtype=torch.float64)
+    for seed in range(draws):
+        c, s = codes.clone(), scales.clone()
+        store_(c, s, target.clone(), torch.Generator().manual_seed(seed))
+        assert torch.equal(s, scales)  # the change fits: the scale is kept
+        total += dequantize(c, s).double()
+    mean = total / draws
+    # Each write moves by at most one code: the mean's error is within 5 standard errors.
+    bound = 5 * scales.max().item() * 0.5 / draws**0.5
+    assert (mean - target.double()).abs().max().item() < bound
+    # To nearest, the small changes would have been lost.
+    nearest, _ = quantize(target)
+    assert (dequantize(nearest, scales) - start).abs().sum() < change.abs().sum()
+
+
+def test_a_block_the_new_values_do_not_fit_is_refitted_with_headroom() -> None:
+    weight = torch.randn(2, 512)
+    codes, scales = quantize(weight)
+    grown = dequantize(codes, scales)
+    grown[0, :256] *= 2  # block (0, 0) overflows; the others fit
+    before = scales.clone()
+    store_(codes, scales, grown.clone(), torch.Generator().manual_seed(0))
+    assert scales[0, 0] > before[0, 0] * 2
+    assert torch.equal(scales[0, 1:], before[0, 1:]) and torch.equal(scales[1], before[1])
+    assert codes[0, :256].abs().max() < CODE_MAX
+    assert relative_error(dequantize(codes, scales), grown) < 0.02
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    exponent=st.integers(-30, 30),
+    change=st.floats(-0.49, 0.49),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_corrected_bf16_holds_a_value_within_its_correction_step(
+    exponent: int, change: float, seed: int
+) -> None:
+    """bf16 + 8-bit correction holds any fp32 value to 1/254 of its bf16 spacing, and a value
+    written is read back within one correction code."""
+    values = torch.randn(64) * 2.0**exponent
+    weights = values.to(torch.bfloat16)
+    correction = torch.zeros(64, dtype=torch.int8)
+    target = values * (1 + change * 2.0**-8)
+    split_(weights, correction, target.clone(), torch.Generator().manual_seed(seed))
+    spacing = torch.ldexp(torch.ones(64), torch.frexp(weights.float())[1] - 8)
+    assert ((corrected(weights, correction) - target).abs() <= spacing / 254 * 1.0001).all()
+
+
+def test_the_correction_accumulates_changes_bf16_loses() -> None:
+    """A thousand changes of a tenth of bf16's spacing: lost to nearest bf16, kept with the
+    correction (as in fp32, to the correction's stochastic noise)."""
+    start = torch.full((4096,), 1.0)
+    weights, correction = start.to(torch.bfloat16), torch.zeros(4096, dtype=torch.int8)
+    nearest = start.to(torch.bfloat16)
+    step = 2.0**-7 / 10
+    for index in range(1000):
+        split_(
+            weights, correction, corrected(weights, correction) + step, torch.Generator().manual_seed(index)
+        )
+        nearest = (nearest.float() + step).to(torch.bfloat16)
+    expected = 1.0 + 1000 * step
+    assert torch.equal(nearest, start.to(torch.bfloat16))
+    assert abs(corrected(weights, correction).mean().item() - expected) < 1e-4
+
+
+# --- the weight itself ----------------------------------------------------------------------
+
+
+def test_linear_with_int8_weights_equals_linear_with_the_dequantized_ones() -> None:
+    model, reference = _mlp(), _mlp()
+    quantize_weights(model, "int8", skip=())
+    for layer, plain in zip((model[0], model[2]), (reference[0], reference[2]), strict=True):
+        with torch.no_grad():
+            plain.weight.copy_(layer.weight.dequantize())
+    x = torch.randn(6, 512)
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert torch.allclose(model(x), reference(x), atol=1e-6)
+    assert type(model[0].weight.grad) is torch.Tensor
+    assert torch.allclose(model[0].weight.grad, reference[0].weight.grad, atol=1e-5)
+    assert torch.allclose(model[0].bias.grad, reference[0].bias.grad, atol=1e-5)
+
+
+def test_quantize_weights_leaves_the_head_and_tied_weights_alone() -> None:
+    model = tiny_llama()
+    quantize_weights(model, "int8")
+    kinds = {name: type(p).__name__ for name, p in model.named_parameters()}
+    assert kinds["model.layers.0.self_attn.q_proj.weight"] == "Int8Weight"
+    assert kinds["model.layers.1.mlp.down_proj.weight"] == "Int8Weight"
+    assert kinds["lm_head.weight"] == "Parameter"
+    assert kinds["model.embed_tokens.weight"] == "Parameter"
+    tied = build_llama((64, 128, 4, 2), vocab_size=256, tie_word_embeddings=True)
+    quantize_weights(tied, "int8", skip=())
+    assert not isinstance(tied.lm_head.weight, Int8Weight)
+
+
+def test_bad_dtypes_and_block_sizes_name_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"unknown weight dtype 'int4'; valid: fp32, bf16, bf16\+8, int8"):
+        quantize_weights(_mlp(), "int4")
+    with pytest.raises(ValueError, match="param_rounding='corrected'"):
+        quantize_weights(_mlp(), "bf16+8")
+    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
+        quantize_weights(_mlp(), "int8", block_size=0)
+    assert weight_dtype("bfloat16") == "bf16"
+    model = quantize_weights(_mlp(), "int8", skip=())
+    with pytest.raises(ValueError, match="is int8 already"):
+        quantize_weights(model, "bf16")
+    with pytest.raises(TypeError, match="would change an int8 weight in place"):
+        model[0].weight.data.add_(1)
+
+
+def test_param_rounding_corrected_needs_bf16_weights() -> None:
+    with pytest.raises(ValueError, match=r"param_rounding='corrected' keeps an 8-bit correction of bf16"):
+        slimopt.GaLoreAdamW(_mlp().parameters(), param_rounding="corrected")
+    with pytest.raises(ValueError, match="valid: nearest, stochastic, corrected"):
+        slimopt.GaLoreAdamW(_mlp().parameters(), param_rounding="kahan")
+
+
+def test_state_dict_holds_codes_and_loads_codes_or_plain_weights() -> None:
+    model = quantize_weights(_mlp(), "int8", skip=())
+    state = model.state_dict()
+    assert sorted(state) == [
+        "0.bias",
+        "0.weight_codes",
+        "0.weight_scales",
+        "2.bias",
+        "2.weight_codes",
+        "2.weight_scales",
+    ]
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    again = quantize_weights(_mlp().apply(_reset), "int8", skip=())
+    again.load_state_dict(torch.load(buffer, weights_only=True))
+    assert torch.equal(again[0].weight.codes, model[0].weight.codes)
+    plain = _mlp()
+    plain.load_state_dict(dequantized_state_dict(model, None))
+    assert torch.equal(plain[0].weight, model[0].weight.dequantize())
+    copied = copy.deepcopy(model)
+    assert torch.equal(copied[2].weight.codes, model[2].weight.codes)
+
+
+def _reset(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight)
+
+
+def test_export_equals_the_dequantized_weights(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    model = tiny_llama()
+    quantize_weights(model, "int8")
+    optimizer = slimopt.build_optimizer(model, "adamw", lr=1e-2)
+    train_language_model(model, optimizer, range(3))
+    path = export_weights(model, tmp_path / "model.safetensors")
+    saved = load_file(str(path))
+    weight = model.model.layers[0].mlp.up_proj.weight
+    assert torch.equal(saved["model.layers.0.mlp.up_proj.weight"], weight.dequantize(torch.bfloat16))
+    plain = build_llama((64, 128, 4, 2), vocab_size=256).to(torch.bfloat16)
+    plain.load_state_dict(saved, strict=False)
+    batch = token_batch(0)
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=batch).logits, model(input_ids=batch).logits)
+
+
+# --- training -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", slimopt.available_optimizers())
+def test_every_optimizer_trains_int8_weights(name: str) -> None:
+    model = quantize_weights(tiny_llama(), "int8")
+    before = model.model.layers[0].self_attn.q_proj.weight.codes.clone()
+    optimizer = slimopt.build_optimizer(model, name, lr=3e-3)
+    batch = token_batch(0)
+    first = model(input_ids=batch, labels=batch).loss.item()
+    train_language_model(model, optimizer, range(8))
+    after = model(input_ids=batch, labels=batch).loss.item()
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    assert isinstance(weight, Int8Weight) and weight.codes.dtype == torch.int8
+    assert not torch.equal(weight.codes, before)
+    assert after < first
+
+
+@pytest.mark.parametrize("name", ["adamw", "galore_adamw", "taco", "apollo_mini"])
+def test_layerwise_updates_int8_weights_as_step_does(name: str) -> None:
+    stepped, hooked = quantize_weights(tiny_llama(), "int8"), quantize_weights(tiny_llama(), "int8")
+    train_language_model(stepped, slimopt.build_optimizer(stepped, name, lr=3e-3), range(4))
+    with slimopt.layerwise(slimopt.build_optimizer(hooked, name, lr=3e-3)) as handle:
+        for step in range(4):
+            batch = token_batch(step)
+            hooked(input_ids=batch, labels=batch).loss.backward()
+        assert handle.optimizer_steps == 4
+    for a, b in zip(stepped.parameters(), hooked.parameters(), strict=True):
+        if isinstance(a, Int8Weight):
+            assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+        else:
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("adamw", "int8"), ("galore_adamw8bit", "int8"), ("adamw", "bf16+8")]
+)
+def test_a_resumed_run_equals_an_unbroken_one_bit_for_bit(name: str, dtype: str) -> None:
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = tiny_llama()
+        options = {"param_rounding": "corrected"} if dtype == "bf16+8" else {}
+        if dtype == "int8":
+            quantize_weights(model, "int8")
+        if name.startswith("galore"):
+            options["update_proj_gap"] = 3
+        return model, slimopt.build_optimizer(model, name, lr=3e-3, **options)
+
+    whole, whole_optimizer = build()
+    train_language_model(whole, whole_optimizer, range(6))
+    first, first_optimizer = build()
+    train_language_model(first, first_optimizer, range(3))
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": first_optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed, resumed_optimizer = build()
+    resumed.load_state_dict(saved["model"])
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    train_language_model(resumed, resumed_optimizer, range(3, 6))
+    for key, value in whole.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), key
+    if dtype == "bf16+8":
+        corrections = [
+            s["weight_correction"] for s in whole_optimizer.state.values() if "weight_correction" in s
+        ]
+        assert corrections and any(c.any() for c in corrections)
+
+
+def test_corrected_bf16_follows_fp32_weights_closer_than_bf16() -> None:
+    """AdamW at a small rate from the same (bf16) start: bf16 weights to nearest drift from the
+    fp32 run, bf16 with the 8-bit correction stay within a small fraction of the distance moved
+    (the rest is bf16's forward pass)."""
+    runs = {}
+    for label, dtype, rounding in [
+        ("fp32", torch.float32, "nearest"),
+        ("bf16", torch.bfloat16, "nearest"),
+        ("corrected", torch.bfloat16, "corrected"),
+    ]:
+        model = tiny_llama().to(dtype)
+        optimizer = slimopt.build_optimizer(model, "adamw", lr=1e-4, param_rounding=rounding)
+        train_language_model(model, optimizer, range(10))
+        weights = model.model.layers[0].mlp.up_proj.weight
+        if rounding == "corrected":
+            weights = corrected(weights.detach(), optimizer.state[weights]["weight_correction"])
+        runs[label] = weights.detach().float()
+    start = tiny_llama().model.layers[0].mlp.up_proj.weight.detach().float()
+    moved = (runs["fp32"] - start).norm()
+    assert (runs["corrected"] - runs["fp32"]).norm() < 0.05 * moved
+    assert (runs["bf16"] - runs["fp32"]).norm() > 0.3 * moved
+
+
+def test_grad_dtype_follows_the_weights_shown_dtype() -> None:
+    model = quantize_weights(tiny_llama(), "int8")
+    batch = token_batch(0)
+    model(input_ids=batch, labels=batch).loss.backward()
+    weight = model.model.layers[0].self_attn.v_proj.weight
+    assert weight.grad.dtype == torch.bfloat16 and weight.grad.shape == weight.shape
+    assert F.linear(torch.ones(1, 64, dtype=torch.bfloat16), weight).dtype == torch.bfloat16
