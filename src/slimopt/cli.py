@@ -253,50 +253,24 @@ def _bench_flags(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Print the table (and write JSON); optimizers that cannot run here are named on stderr."""
-    from slimopt.train.bench import available, bench, table, write_json
+    from slimopt.train.bench import available, bench, heading, table, write_json
     from slimopt.train.config import resolve_device
 
-    for flag in ("batch", "seq", "steps"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
-    if args.warmup < 0:
-        raise ValueError(f"--warmup must be an integer >= 0, got {args.warmup}")
+    setting = {key: getattr(args, key) for key in ("model", "dtype", "batch", "seq", "steps", "warmup")}
     device = resolve_device(args.device)
     names, skipped = available(
         [n.strip() for n in args.optimizers.split(",") if n.strip()], device, args.dtype
     )
     for reason in skipped:
         print(f"slimopt: skipping {reason}", file=sys.stderr)
-    rows = bench(
-        args.model,
-        names,
-        device=device,
-        batch_size=args.batch,
-        seq_len=args.seq,
-        steps=args.steps,
-        warmup=args.warmup,
-        rank=args.rank,
-        dtype=args.dtype,
-        progress=lambda name: print(f"slimopt: measuring {name}", file=sys.stderr),
-    )
-    setting = {
-        "model": args.model,
-        "device": str(device),
-        "dtype": args.dtype,
-        "batch": args.batch,
-        "seq": args.seq,
-        "steps": args.steps,
-    }
-    import torch
-
-    title = (
-        f"{args.model} on {device} (torch {torch.__version__}), {args.dtype or 'default'} weights, "
-        f"{args.batch}×{args.seq} tokens, "
-        f"median of {args.steps} steps after {args.warmup}"
-    )
-    print(table(rows, title))
+    progress = lambda name: print(f"slimopt: measuring {name}", file=sys.stderr)  # noqa: E731
+    rows = bench(names, device=device, rank=args.rank, progress=progress, **setting)
+    print(table(rows, heading({**setting, "device": device})))
     if args.json:
-        print(f"slimopt: wrote {write_json(rows, setting, args.json)}", file=sys.stderr)
+        print(
+            f"slimopt: wrote {write_json(rows, {**setting, 'device': str(device)}, args.json)}",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -86,12 +86,12 @@ def available(
 
 
 def bench(
-    model_name: str,
     names: list[str],
     *,
+    model: str,
     device: torch.device,
-    batch_size: int,
-    seq_len: int,
+    batch: int,
+    seq: int,
     steps: int,
     warmup: int = 2,
     rank: int | None = None,
@@ -99,23 +99,30 @@ def bench(
     dtype: str | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[dict[str, Any]]:
-    """One row per optimizer: median seconds of a training step and of its optimizer step,
-    state bytes, peak memory bytes (see the module docstring). ``dtype``: how the weights are
-    stored (``slimopt.weight_formats``; None: bf16 on CUDA, fp32 on the CPU)."""
+    """One row per optimizer of ``names``, each training preset ``model`` on ``batch``
+    sequences of ``seq`` tokens: median seconds of a training step and of its optimizer step
+    over ``steps`` after ``warmup``, state bytes, peak memory bytes (see the module docstring).
+    ``dtype``: how the weights are stored (``slimopt.weight_formats``; None: bf16 on CUDA, fp32
+    on the CPU). Raises ``ValueError`` naming a bad count."""
+    for flag, value in (("batch", batch), ("seq", seq), ("steps", steps)):
+        if value < 1:
+            raise ValueError(f"--{flag} must be a positive integer, got {value}")
+    if warmup < 0:
+        raise ValueError(f"--warmup must be an integer >= 0, got {warmup}")
     rows = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for name in names:
         progress(name)
         torch.manual_seed(0)
-        model = _model(model_name, device, dtype)
-        optimizer = _optimizer(model, name, lr, rank, dtype)
-        vocab = model.config.vocab_size
+        trained = _model(model, device, dtype)
+        optimizer = _optimizer(trained, name, lr, rank, dtype)
+        vocab = trained.config.vocab_size
         step_seconds, optimizer_seconds = [], []
         for step in range(warmup + steps):
-            batch = torch.randint(0, vocab, (batch_size, seq_len), device=device)
+            tokens = torch.randint(0, vocab, (batch, seq), device=device)
             began = _now(device)
-            model(input_ids=batch, labels=batch).loss.backward()
+            trained(input_ids=tokens, labels=tokens).loss.backward()
             stepping = _now(device)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -123,7 +130,7 @@ def bench(
             if step >= warmup:
                 step_seconds.append(ended - began)
                 optimizer_seconds.append(ended - stepping)
-        peak = _peak(model, optimizer, device, batch_size, seq_len)
+        peak = _peak(trained, optimizer, device, batch, seq)
         rows.append(
             {
                 "optimizer": name,
@@ -134,12 +141,21 @@ def bench(
                 "fused_path": getattr(optimizer, "fused_path", None),
             }
         )
-        del model, optimizer
+        del trained, optimizer
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
     return rows
+
+
+def heading(setting: dict[str, Any]) -> str:
+    """The line above a table of ``bench`` rows: its ``setting`` (bench's arguments)."""
+    return (
+        f"{setting['model']} on {setting['device']} (torch {torch.__version__}), "
+        f"{setting['dtype'] or 'default'} weights, {setting['batch']}×{setting['seq']} tokens, "
+        f"median of {setting['steps']} steps after {setting['warmup']}"
+    )
 
 
 def table(rows: list[dict[str, Any]], setting: str) -> str:
