@@ -90,7 +90,7 @@ class Task:
 # ----------------------------------------------------------------------------- data
 
 
-def _corpus_bytes(
+def corpus_bytes(
     genres: tuple[str, ...] | None = None, exclude: tuple[str, ...] = ()
 ) -> tuple[Tensor, Tensor]:
     """The plays' text as bytes, first 90% and last 10%: all plays, or those of ``genres`` (the
@@ -217,7 +217,15 @@ class ConvNet(nn.Module):
 # ----------------------------------------------------------------------------- tasks
 
 
-def _lm_task(family: str, name: str, data: tuple[Tensor, Tensor], hidden: int = 64) -> Task:
+def lm_task(
+    family: str,
+    name: str,
+    data: tuple[Tensor, Tensor],
+    hidden: int = 64,
+    build: Callable[[], nn.Module] | None = None,
+) -> Task:
+    """A language-modelling row: ``decoder(family, hidden=hidden)`` (or ``build``'s model)
+    trained on windows of ``data``'s first part, validated on 32 windows of its second."""
     train, valid = data
     starts = torch.arange(0, len(valid) - SEQ_LEN, (len(valid) - SEQ_LEN) // 32)[:32]
     valid_batch = torch.stack([valid[s : s + SEQ_LEN] for s in starts])
@@ -231,7 +239,7 @@ def _lm_task(family: str, name: str, data: tuple[Tensor, Tensor], hidden: int = 
     def evaluate(model: nn.Module) -> float:
         return float(model(input_ids=valid_batch, labels=valid_batch).loss)
 
-    return Task(name, "loss", lambda: decoder(family, hidden=hidden), batch, evaluate)
+    return Task(name, "loss", build or (lambda: decoder(family, hidden=hidden)), batch, evaluate)
 
 
 def _classification_task(
@@ -349,7 +357,7 @@ def pretrained_llama(out: Path, steps: int) -> Path:
     torch.manual_seed(0)
     config = t.LlamaConfig(vocab_size=256, max_position_embeddings=SEQ_LEN, pad_token_id=0, **FINETUNE_DIMS)
     model = t.LlamaForCausalLM(config)
-    task = _lm_task("llama", "pretraining", _corpus_bytes(exclude=("histories",)))
+    task = lm_task("llama", "pretraining", corpus_bytes(exclude=("histories",)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     generator = torch.Generator().manual_seed(2)
     for _ in range(steps):
@@ -371,7 +379,7 @@ def _finetune_tasks(base: Path, regimes: list[str]) -> list[Task]:
     quantized to 4-bit NF4 by bitsandbytes)."""
     import transformers as t
 
-    histories = _corpus_bytes(genres=("histories",))
+    histories = corpus_bytes(genres=("histories",))
 
     def build(regime: str) -> Callable[[], nn.Module]:
         def make() -> nn.Module:
@@ -399,7 +407,7 @@ def _finetune_tasks(base: Path, regimes: list[str]) -> list[Task]:
     adapters = ("adamw", "adamw8bit", "adamw_ternary", "apollo_adamw", "apollo_mini", "taco")
     rows = []
     for regime in regimes:
-        row = _lm_task("llama", f"LLaMA → histories, {labels[regime]}", histories)
+        row = lm_task("llama", f"LLaMA → histories, {labels[regime]}", histories)
         row.build = build(regime)
         row.optimizers = OPTIMIZERS if regime == "full" else adapters
         rows.append(row)
@@ -423,11 +431,9 @@ def tasks(
         "mixtral": "Mixtral (MoE)",
     }
     if wanted is None or wanted & set(families):
-        corpus = _corpus_bytes()
+        corpus = corpus_bytes()
         rows += [
-            _lm_task(
-                family, f"{label} LM" if hidden == 64 else f"{label} LM, hidden {hidden}", corpus, hidden
-            )
+            lm_task(family, f"{label} LM" if hidden == 64 else f"{label} LM, hidden {hidden}", corpus, hidden)
             for family, label in families.items()
             if wanted is None or family in wanted
         ]

@@ -364,3 +364,34 @@ def test_under_accelerate_fsdp2_the_trainer_keeps_the_basis_on_the_unsplit_side(
         trainer.accelerator.state.fsdp_plugin = SimpleNamespace(fsdp_version=2)
         optimizer = trainer.create_optimizer()
         assert [g["proj_type"] for g in optimizer.param_groups if "rank" in g] == [side]
+
+
+@pytest.mark.parametrize("name", ["galore_adamw8bit", "apollo_adamw_layerwise"])
+def test_the_trainer_trains_int8_weights_and_resumes_their_codes_exactly(
+    shakespeare_tokens, tmp_path, name
+) -> None:
+    """A model whose linear weights are int8 (``slimopt.quantize_weights``): the Trainer saves
+    their codes and scales, and resuming from a checkpoint continues bit for bit."""
+    from slimopt.weight_formats import Int8Weight, quantize_weights
+
+    def trainer(out: Path, seed: int = 0, **overrides) -> SlimoptTrainer:
+        return SlimoptTrainer(
+            model=quantize_weights(tiny_llama(seed=seed), "int8"),
+            args=_args(out, **overrides),
+            train_dataset=ShakespeareRows(shakespeare_tokens),
+            optimizer_name=name,
+        )
+
+    whole = trainer(tmp_path / "whole", save_strategy="steps", save_steps=4)
+    whole.train()
+    losses = _logged(whole, "loss")
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.3
+    resumed = trainer(tmp_path / "resumed", seed=1)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-4"))
+    pairs = list(zip(whole.model.parameters(), resumed.model.parameters(), strict=True))
+    assert any(isinstance(a, Int8Weight) for a, _ in pairs)
+    for a, b in pairs:
+        if isinstance(a, Int8Weight):
+            assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+        else:
+            assert torch.equal(a, b)

@@ -81,7 +81,12 @@ CONFIGURATIONS = {
         model="llama_9m", optimizer="apollo_mini", dtype="int8", batch_size=2, seq_len=64
     ),
     "bf16+8 weights, adamw8bit accumulation": dict(
-        model="llama_9m", optimizer="adamw8bit", dtype="bf16+8", accumulation_steps=2, batch_size=2, seq_len=64
+        model="llama_9m",
+        optimizer="adamw8bit",
+        dtype="bf16+8",
+        accumulation_steps=2,
+        batch_size=2,
+        seq_len=64,
     ),
     "gqa config, galore adafactor": dict(
         model="gqa", optimizer="galore_adafactor", rank=16, batch_size=2, seq_len=96
@@ -196,13 +201,17 @@ def test_llama_7b_fits_16_gib_with_ternary_states_and_20_gib_with_int8() -> None
     assert int8.at_peak["gradients"] < 2**30  # layer-wise: no full set of gradients
 
 
-@pytest.mark.slow  # 7B and 13B models on the meta device, four configurations: ~2 min
+@pytest.mark.slow  # 7B and 13B models on the meta device, three configurations: ~100 s
 def test_int8_weights_fit_llama_7b_in_12_gib_and_llama_13b_in_24_gib() -> None:
-    """Issue 31's goals: layer-wise, activation checkpointing, int8 weights."""
-    for model, limit in (("llama_7b", 12), ("llama_13b", 24)):
-        for optimizer in ("taco", "apollo_mini"):
-            plan = plan_memory(model, optimizer, layerwise=True, checkpointing=True, dtype="int8")
-            assert plan.peak_bytes <= limit * 2**30, (model, optimizer, plan.peak_bytes / 2**30)
+    """Issue 31's goals: layer-wise, activation checkpointing, int8 weights; TACO and APOLLO-Mini
+    (at 7B APOLLO-Mini's is the larger state: its fp32 AdamW on the embedding and head)."""
+    for model, optimizer, limit in (
+        ("llama_7b", "apollo_mini", 12),
+        ("llama_13b", "taco", 24),
+        ("llama_13b", "apollo_mini", 24),
+    ):
+        plan = plan_memory(model, optimizer, layerwise=True, checkpointing=True, dtype="int8")
+        assert plan.peak_bytes <= limit * 2**30, (model, optimizer, plan.peak_bytes / 2**30)
     assert plan.parameters == pytest.approx(13.0e9, rel=0.02)
 
 

@@ -42,12 +42,13 @@ class WeightStep:
         return self if self.correction is None else replace(self, correction=self.correction[rows])
 
 
-def weight_correction(state: MutableMapping[str, Any], weights: Tensor) -> Tensor:
-    """The int8 correction of the bf16 matrix ``weights`` in the unit's ``state`` (zeros, made
-    on first use: the weights are then exactly what they hold)."""
+def weight_correction(plan: Plan, state: MutableMapping[str, Any], weights: Tensor) -> Tensor:
+    """The int8 correction of ``plan``'s bf16 unit in its ``state``, as the matrix ``weights``
+    (the unit's matrix view). Kept in the unit's own shape, so that it splits by rows as the
+    unit does; zeros, made on first use: the weights are then exactly what they hold."""
     if CORRECTION_KEY not in state:
-        state[CORRECTION_KEY] = torch.zeros(weights.shape, dtype=torch.int8, device=weights.device)
-    return state[CORRECTION_KEY]
+        state[CORRECTION_KEY] = torch.zeros(plan.values_shape, dtype=torch.int8, device=weights.device)
+    return state[CORRECTION_KEY].view(weights.shape)
 
 
 def weight_step(
@@ -67,7 +68,7 @@ def weight_step(
         plan.group["weight_decay"],
         generator if plan.rounds_weights else None,
         keep,
-        weight_correction(state, weights) if plan.corrects_weights else None,
+        weight_correction(plan, state, weights) if plan.corrects_weights else None,
     )
 
 

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from slimopt.core.scaling import LIMITER_KEY
 from slimopt.core.tensors import values as own_values
+from slimopt.core.weights import CORRECTION_KEY
 from slimopt.files import move_into_place
 from slimopt.optimizers import GaLoreOptimizer
 from slimopt.sharding import barrier, initialized, local_view, process_rank
@@ -248,11 +249,16 @@ class _OptimizerLoad:
             saved_state = {**stored, "moment_step": moment_step}
             shard = (values, rows if count > 1 else None)
             moments = optimizer.decoded_saved(param, saved_state, shard, storage)
+            if CORRECTION_KEY in stored:  # bf16 weights' 8-bit correction: rows, as the weights
+                moments[CORRECTION_KEY] = stored[CORRECTION_KEY]
             for key, value in moments.items():
                 pieces.setdefault(key, []).append(value[start - first : stop - first])
         moments = {key: torch.cat(parts) for key, parts in pieces.items()}
+        correction = moments.pop(CORRECTION_KEY, None)
         optimizer.store_moments(param, moments)
         optimizer.state[param]["moment_step"] = moment_step
+        if correction is not None:
+            optimizer.state[param][CORRECTION_KEY] = correction
 
 
 def _replicated(key: str) -> bool:

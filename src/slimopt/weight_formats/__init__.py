@@ -30,8 +30,12 @@ COMPUTE_DTYPES = {
     "bf16+8": torch.bfloat16,
     "int8": torch.bfloat16,
 }
-# What the optimizer needs to be told of each (bf16+8's correction is its state).
-OPTIMIZER_OPTIONS: dict[str, dict[str, Any]] = {"bf16+8": {"param_rounding": "corrected"}}
+# What the optimizer is told of each: bf16+8's correction is its state; with int8 linear weights
+# (rounded stochastically always) the bf16 rest (embeddings, norms, head) is rounded so too.
+OPTIMIZER_OPTIONS: dict[str, dict[str, Any]] = {
+    "bf16+8": {"param_rounding": "corrected"},
+    "int8": {"param_rounding": "stochastic"},
+}
 SKIPPED_BY_DEFAULT = ("lm_head",)
 CODES, SCALES = "weight_codes", "weight_scales"
 
