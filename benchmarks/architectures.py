@@ -85,6 +85,8 @@ class Task:
     evaluate: Callable[[nn.Module], float]
     # Optimizers that apply (adapters are not projected: a LoRA factor is already low-rank).
     optimizers: tuple[str, ...] = OPTIMIZERS
+    # A reference's own optimizer (model, lr → optimizer), used instead of the named slimopt one.
+    reference: Callable[[nn.Module, float], Any] | None = None
 
 
 # ----------------------------------------------------------------------------- data
@@ -474,7 +476,10 @@ def train_once(
     batches (``seed + 1``)."""
     torch.manual_seed(seed)
     model = task.build()
-    optimizer = slimopt.build_optimizer(model, optimizer_name, lr=lr, weight_decay=0.0, **(options or {}))
+    if task.reference is not None:
+        optimizer = task.reference(model, lr)
+    else:
+        optimizer = slimopt.build_optimizer(model, optimizer_name, lr=lr, weight_decay=0.0, **(options or {}))
     warmup = max(1, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / warmup))
     generator = torch.Generator().manual_seed(seed + 1)

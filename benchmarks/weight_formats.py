@@ -13,10 +13,13 @@ and GPT-NeoX (fused q/k/v), hidden 64, and the demo's LLaMA size (``llama_9m``: 
   ``--dtype int8`` does);
 
 each with AdamW and with the smallest-state optimizers: TACO, ternary AdamW states and
-APOLLO-Mini. Every cell is the best of the learning rates 3e-3 and 1e-2 (where every one of
-these optimizers had its best fp32 rate in ``benchmarks.architectures``), 400 steps of 16
-sequences of 64 bytes, 10% warm-up, clipping at 1, no weight decay, one seed. Forward and
-backward run in the weights' dtype (bf16 for all but fp32).
+APOLLO-Mini; and, beside AdamW, torchao's prototype of int8 training (``torchao int8``:
+``Int8QuantizedTrainingLinearWeight`` on the same linear weights, row-wise scales, stochastic
+rounding at every in-place write, stepped by ``torch.optim.AdamW``; the rest bf16). Every cell
+is the best of the learning rates 3e-3 and 1e-2 (where every one of these optimizers had its
+best fp32 rate in ``benchmarks.architectures``), 400 steps of 16 sequences of 64 bytes, 10%
+warm-up, clipping at 1, no weight decay, one seed. Forward and backward run in the weights'
+dtype (bf16 for all but fp32).
 
     python -m benchmarks.weight_formats [--out runs/weight-formats] [--rows llama,demo]
 
@@ -51,6 +54,7 @@ FORMATS: dict[str, tuple[str, dict[str, Any]]] = {
     "bf16 sr": ("bf16", {"param_rounding": "stochastic"}),
     "bf16+8": ("bf16", {"param_rounding": "corrected"}),
     "int8": ("int8", {"param_rounding": "stochastic"}),
+    "torchao int8": ("torchao int8", {}),
 }
 # Issue 31's goals: int8 within +2% of bf16's loss, bf16+8 within +0.5% of fp32's.
 GOALS = {"int8": ("bf16", 0.02), "bf16+8": ("fp32", 0.005)}
@@ -67,11 +71,30 @@ def stored(build: Callable[[], nn.Module], dtype: str) -> Callable[[], nn.Module
 
     def built() -> nn.Module:
         model = build()
+        if dtype == "torchao int8":
+            return torchao_int8(model.to(torch.bfloat16))
         if dtype == "int8":
             model.to(torch.bfloat16)
         return quantize_weights(model, dtype)
 
     return built
+
+
+def torchao_int8(model: nn.Module) -> nn.Module:
+    """``model``'s linear weights but the head as torchao's int8 training weights."""
+    from torchao.prototype.quantized_training import int8_weight_only_quantized_training
+    from torchao.quantization import quantize_
+
+    def linear_not_head(module: nn.Module, name: str) -> bool:
+        return isinstance(module, nn.Linear) and not name.endswith("lm_head")
+
+    quantize_(model, int8_weight_only_quantized_training(), filter_fn=linear_not_head)
+    return model
+
+
+def torch_adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """torch's AdamW as torchao's int8 training uses it (no weight decay here, as for slimopt's)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=False)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -85,8 +108,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row: dict[str, Any] = {"task": label, "cells": {}}
         for name in args.optimizers:
             for fmt in args.formats:
+                if fmt == "torchao int8" and name != "adamw":
+                    continue
                 dtype, options = FORMATS[fmt]
-                task: Task = replace(base, build=stored(build, dtype))
+                reference = torch_adamw if fmt == "torchao int8" else None
+                task: Task = replace(base, build=stored(build, dtype), reference=reference)
                 cell = sweep(task, name, args.learning_rates, args.steps, 16, options, f"{name} {fmt}")
                 row["cells"][f"{name} / {fmt}"] = cell
                 (out / "results.json").write_text(
@@ -186,10 +212,17 @@ def memory_lines() -> list[str]:
 
 
 def merge(parts: list[str], out: Path) -> dict[str, Any]:
-    """The rows of the runs in ``parts`` (directories) as one result, written to ``out``."""
+    """The runs in ``parts`` (directories: rows, or columns of the same rows, made apart) as one
+    result, written to ``out``."""
     loaded = [json.loads((Path(part) / "results.json").read_text()) for part in parts]
-    setting = {**loaded[0]["setting"], "rows": [key for run in loaded for key in run["setting"]["rows"]]}
-    results = {"setting": setting, "rows": [row for run in loaded for row in run["rows"]]}
+    rows: dict[str, dict[str, Any]] = {}
+    for run in loaded:
+        for row in run["rows"]:
+            rows.setdefault(row["task"], {"task": row["task"], "cells": {}})["cells"].update(row["cells"])
+    setting = dict(loaded[0]["setting"])
+    for key in ("rows", "optimizers", "formats"):
+        setting[key] = list(dict.fromkeys(value for run in loaded for value in run["setting"][key]))
+    results = {"setting": setting, "rows": list(rows.values())}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "results.md").write_text(render(results) + "\n")

@@ -74,12 +74,14 @@ class GoldenRun:
     saved: bool = True  # whether its step-3 checkpoint is kept as a file (the wide ones are 8+ MB)
     dcp: bool = False  # whether a DCP checkpoint is kept too
     layerwise: dict[str, Any] | None = None  # slimopt.layerwise's options, for updates in backward
+    int8: bool = False  # the linear weights stored as int8 codes (slimopt.quantize_weights)
 
     def net(self) -> nn.Module:
         if self.wide:
             torch.manual_seed(0)
             return Wide()
-        return make_net(0, self.configuration.experts, self.dtype)
+        net = make_net(0, self.configuration.experts, self.dtype)
+        return slimopt.quantize_weights(net, "int8", skip=()) if self.int8 else net
 
     def optimizer(self, net: nn.Module) -> slimopt.GaLoreOptimizer:
         optimizer = self.configuration.build(net, **self.options)
@@ -121,6 +123,20 @@ RUNS += [
     ),
     GoldenRun(
         "galore_adamw8bit (int8 basis)", _by_name("galore_adamw8bit"), options={"basis_states": "int8"}
+    ),
+    GoldenRun(
+        "galore_adamw8bit (bf16 weights, 8-bit correction)",
+        _by_name("galore_adamw8bit"),
+        dtype=torch.bfloat16,
+        options={"param_rounding": "corrected"},
+    ),
+    GoldenRun("adamw (int8 weights)", _by_name("adamw"), dtype=torch.bfloat16, int8=True),
+    GoldenRun(
+        "galore_adamw (int8 weights, stochastic rounding of the rest)",
+        _by_name("galore_adamw"),
+        dtype=torch.bfloat16,
+        int8=True,
+        options={"param_rounding": "stochastic"},
     ),
 ]
 
@@ -267,4 +283,9 @@ def add_documented_paths() -> None:
 
 
 if __name__ == "__main__":
-    {"--paths": add_documented_paths, "--new-runs": add_new_runs}.get(" ".join(sys.argv[1:]), generate)()
+    # Anything but the three forms is refused: regenerating every run is never a default.
+    commands = {"": generate, "--paths": add_documented_paths, "--new-runs": add_new_runs}
+    command = commands.get(" ".join(sys.argv[1:]))
+    if command is None:
+        sys.exit("usage: python -m tests.golden_runs [--paths | --new-runs] (no argument: regenerate all runs)")
+    command()

@@ -133,7 +133,8 @@ def test_weights_dtype_trains_resumes_exactly_and_is_planned(
     assert main(["train", *common, "--save-every", "3", *run_args(workspace, tmp_path / "split")]) == 0
     for step in range(4, 7):
         (tmp_path / "split" / "checkpoints" / f"step-{step:08d}" / "manifest.json").unlink(missing_ok=True)
-    resumed = ["train", *common, "--resume", str(tmp_path / "split"), *run_args(workspace, tmp_path / "split")]
+    split = tmp_path / "split"
+    resumed = ["train", *common, "--resume", str(split), *run_args(workspace, split)]
     assert main(resumed) == 0
     whole, split = metrics(tmp_path / "whole"), metrics(tmp_path / "split")
     assert whole[-1]["loss"] < whole[0]["loss"]

@@ -28,7 +28,8 @@ DIMS = (64, 172, 4, 2)
 # "NAME bf16+8": the registry's NAME over bf16 weights with an 8-bit correction in its state.
 CORRECTED = "adamw bf16+8"
 NAMES = [
-    "adamw", "galore_adamw", "galore_adamw8bit", "galore_adamw_ternary", "apollo_adamw", "apollo_mini", CORRECTED
+    "adamw", "galore_adamw", "galore_adamw8bit", "galore_adamw_ternary", "apollo_adamw", "apollo_mini",
+    CORRECTED,
 ]  # fmt: skip
 # Rank 32 keeps the projected moments of the 172×64 MLP matrices above 4096 elements, so the
 # compressed formats are exercised; every basis is on the right (the unsplit side under FSDP2).

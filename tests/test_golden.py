@@ -109,7 +109,9 @@ PUBLIC_NAMES = [
     "build_optimizer",
     "decoded_state",
     "describe",
+    "export_weights",
     "layerwise",
+    "quantize_weights",
     "select_target_modules",
     "state_nbytes",
 ]

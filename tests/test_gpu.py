@@ -62,6 +62,41 @@ def test_planner_predicts_cuda_max_memory_allocated() -> None:
     assert abs(predicted - measured) <= 0.1 * measured
 
 
+@pytest.mark.parametrize("dtype", ["int8", "bf16+8"])
+def test_the_planner_predicts_the_cuda_peak_of_compressed_weights(dtype: str) -> None:
+    """int8 and bf16+8 weights on CUDA: training runs (the planner's two steps, for real), and
+    the plan of the same steps predicts ``torch.cuda.max_memory_allocated``."""
+    from slimopt.planner import measure_memory, plan_memory
+
+    setting = dict(
+        model="llama_130m", optimizer="taco", layerwise=True, checkpointing=True, dtype=dtype, batch_size=4
+    )
+    predicted = plan_memory(**setting).peak_bytes
+    measured = measure_memory(**setting, device="cuda").cuda_max_memory_allocated
+    assert abs(predicted - measured) <= 0.1 * measured
+
+
+def test_int8_weights_train_on_cuda() -> None:
+    import slimopt
+    from slimopt.train.models import build_llama
+    from slimopt.weight_formats import Int8Weight, quantize_weights
+
+    torch.manual_seed(0)
+    model = quantize_weights(build_llama((64, 172, 4, 2), 256).to("cuda", torch.bfloat16), "int8")
+    optimizer = slimopt.build_optimizer(model, "apollo_mini", lr=1e-2, param_rounding="stochastic")
+    tokens = torch.randint(0, 256, (4, 32), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    losses = []
+    for _ in range(10):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    weight = model.model.layers[0].mlp.up_proj.weight
+    assert isinstance(weight, Int8Weight) and weight.codes.is_cuda
+    assert losses[-1] < losses[0]
+
+
 @pytest.mark.parametrize(
     ("optimizer_class", "states"),
     [

@@ -6,8 +6,9 @@ param-group convention) with fp32, bf16, int8, int4 or ternary moments (``states
 APOLLO-Mini); ``TACO`` moves each matrix by one entry per column from a sketch of its gradient history;
 ``build_optimizer`` configures one for a model by name; ``layerwise`` makes it update inside
 backward; ``state_nbytes`` counts its state, ``decoded_state`` reads a parameter's moments and
-``describe`` says what it does with each parameter. ``slimopt.distributed`` (DDP's shared
-refreshes, ZeRO-1) comes with ``import slimopt``.
+``describe`` says what it does with each parameter. ``quantize_weights`` stores a model's linear
+weights as int8 codes that these optimizers train (``export_weights`` writes them out plain).
+``slimopt.distributed`` (DDP's shared refreshes, ZeRO-1) comes with ``import slimopt``.
 """
 
 from slimopt import distributed as distributed
@@ -27,6 +28,7 @@ from slimopt.optimizers import (
     decoded_state,
 )
 from slimopt.registry import available_optimizers, build_optimizer, select_target_modules
+from slimopt.weight_formats import export_weights, quantize_weights
 
 __all__ = [
     "TACO",
@@ -43,7 +45,9 @@ __all__ = [
     "build_optimizer",
     "decoded_state",
     "describe",
+    "export_weights",
     "layerwise",
+    "quantize_weights",
     "select_target_modules",
     "state_nbytes",
 ]
