@@ -16,10 +16,10 @@ each with AdamW and with the smallest-state optimizers: TACO, ternary AdamW stat
 APOLLO-Mini; and, beside AdamW, torchao's prototype of int8 training (``torchao int8``:
 ``Int8QuantizedTrainingLinearWeight`` on the same linear weights, row-wise scales, stochastic
 rounding at every in-place write, stepped by ``torch.optim.AdamW``; the rest bf16). Every cell
-is the best of the learning rates 3e-3 and 1e-2 (where every one of these optimizers had its
-best fp32 rate in ``benchmarks.architectures``), 400 steps of 16 sequences of 64 bytes, 10%
-warm-up, clipping at 1, no weight decay, one seed. Forward and backward run in the weights'
-dtype (bf16 for all but fp32).
+trains at its optimizer's best fp32 rate in ``benchmarks.architectures`` and ``benchmarks.taco``
+(AdamW and ternary states 3e-3, TACO and APOLLO-Mini 1e-2; ``--learning-rates`` sweeps instead),
+400 steps of 16 sequences of 64 bytes, 10% warm-up, clipping at 1, no weight decay, one seed.
+Forward and backward run in the weights' dtype (bf16 for all but fp32).
 
     python -m benchmarks.weight_formats [--out runs/weight-formats] [--rows llama,demo]
 
@@ -46,7 +46,8 @@ from slimopt.train.models import build_llama
 from slimopt.weight_formats import quantize_weights
 
 OPTIMIZERS = ("adamw", "taco", "adamw_ternary", "apollo_mini")
-LEARNING_RATES = (3e-3, 1e-2)
+# Each optimizer's best rate with fp32 weights (benchmarks.architectures, benchmarks.taco).
+LEARNING_RATES = {"adamw": 3e-3, "taco": 1e-2, "adamw_ternary": 3e-3, "apollo_mini": 1e-2}
 # Format: (weights' dtype for quantize_weights, optimizer options).
 FORMATS: dict[str, tuple[str, dict[str, Any]]] = {
     "fp32": ("fp32", {}),
@@ -113,7 +114,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 dtype, options = FORMATS[fmt]
                 reference = torch_adamw if fmt == "torchao int8" else None
                 task: Task = replace(base, build=stored(build, dtype), reference=reference)
-                cell = sweep(task, name, args.learning_rates, args.steps, 16, options, f"{name} {fmt}")
+                rates = args.learning_rates or [LEARNING_RATES[name]]
+                cell = sweep(task, name, rates, args.steps, 16, options, f"{name} {fmt}")
                 row["cells"][f"{name} / {fmt}"] = cell
                 (out / "results.json").write_text(
                     json.dumps(results | {"rows": [*results["rows"], row]}, indent=1)
@@ -237,7 +239,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--optimizers", type=lambda s: s.split(","), default=list(OPTIMIZERS))
     parser.add_argument("--formats", type=lambda s: s.split(","), default=list(FORMATS))
     parser.add_argument(
-        "--learning-rates", type=lambda s: [float(v) for v in s.split(",")], default=list(LEARNING_RATES)
+        "--learning-rates",
+        type=lambda s: [float(v) for v in s.split(",")],
+        help="rates every cell sweeps (default: each optimizer's best fp32 rate)",
     )
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--merge", type=lambda s: s.split(","), help="directories of runs made in parts")

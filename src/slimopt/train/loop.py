@@ -266,7 +266,8 @@ def _train(run: _Run, progress: bool, label: str | None) -> dict[str, Any]:
     paths = getattr(getattr(optimizer, "optim", optimizer), "fused_path", [])
     fused = " (fused step)" if paths and all(path == "fused" for path in paths) else ""
     say(
-        f"training {config.model} ({count(parameters)} parameters) with {config.optimizer}"
+        f"training {config.model} ({count(parameters)} parameters, {config.dtype} weights) "
+        f"with {config.optimizer}"
         f"{_rank_note(optimizer, config)}{run.note}{fused} on {where}; run directory {out}"
     )
     say(describe_optimizer(getattr(optimizer, "optim", optimizer), model, parameters=False))
