@@ -502,7 +502,8 @@ def train_once(
         schedule.step()
     model.eval()
     metric = task.evaluate(model)
-    finite = all(torch.isfinite(p).all() for p in model.parameters())
+    # dequantize(): a float tensor itself; an int8 weight's values (slimopt's or torchao's).
+    finite = all(torch.isfinite(p.dequantize()).all() for p in model.parameters())
     return {
         "metric": metric if finite else float("nan"),
         "state_bytes": slimopt.state_nbytes(optimizer),

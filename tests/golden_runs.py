@@ -287,5 +287,7 @@ if __name__ == "__main__":
     commands = {"": generate, "--paths": add_documented_paths, "--new-runs": add_new_runs}
     command = commands.get(" ".join(sys.argv[1:]))
     if command is None:
-        sys.exit("usage: python -m tests.golden_runs [--paths | --new-runs] (no argument: regenerate all runs)")
+        sys.exit(
+            "usage: python -m tests.golden_runs [--paths | --new-runs] (no argument: regenerate all runs)"
+        )
     command()

@@ -16,6 +16,7 @@ import torch
 import slimopt
 from slimopt.cli import main
 from slimopt.planner import plan_memory
+from slimopt.train.bench import bench
 
 pytestmark = pytest.mark.usefixtures("private_cache")
 
@@ -529,6 +530,37 @@ def test_bench_times_slimopt_beside_the_references(tmp_path: Path, capsys) -> No
     assert "unknown optimizer 'adam_w' for slimopt bench; valid: adamw," in capsys.readouterr().err
     assert main(["bench", "--steps", "0"]) == 2
     assert "--steps must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_bench_with_int8_weights_measures_slimopt_and_says_why_not_the_references(tmp_path, capsys) -> None:
+    out = tmp_path / "bench.json"
+    argv = [
+        "bench",
+        "--model",
+        "llama_9m",
+        "--optimizers",
+        "torch_adamw_foreach,adamw,taco",
+        "--dtype",
+        "int8",
+    ]
+    assert (
+        main([*argv, "--batch", "1", "--seq", "16", "--steps", "1", "--warmup", "1", "--json", str(out)]) == 0
+    )
+    captured = capsys.readouterr()
+    assert "skipping torch_adamw_foreach (int8 weights: the references would change the codes" in captured.err
+    assert "int8 weights, 1×16 tokens" in captured.out
+    saved = json.loads(out.read_text())
+    assert saved["setting"]["dtype"] == "int8" and [r["optimizer"] for r in saved["rows"]] == [
+        "adamw",
+        "taco",
+    ]
+    plain = bench(
+        ["adamw"], model="llama_9m", device=torch.device("cpu"), batch=1, seq=16, steps=1, dtype="bf16"
+    )
+    int8 = {row["optimizer"]: row for row in saved["rows"]}["adamw"]
+    assert int8["state_bytes"] == plain[0]["state_bytes"]  # the same fp32 moments
+    assert int8["peak_memory_bytes"] > 0
+    assert "reference (int8 weights have no fused step)" in int8["fused_path"]
 
 
 def test_fused_flag_reaches_the_optimizer(workspace: Path, tmp_path: Path, capsys) -> None:
