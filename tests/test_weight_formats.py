@@ -67,6 +67,30 @@ def test_stochastic_rounding_into_codes_is_unbiased() -> None:
     assert (dequantize(nearest, scales) - start).abs().sum() < change.abs().sum()
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    blocks=st.integers(1, 3),
+    block=st.sampled_from([8, 64, 256]),
+    exponent=st.integers(-20, 20),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_int8_codes_hold_any_matrix_within_half_a_step(rows, blocks, block, exponent, seed) -> None:
+    """To nearest, every value is within half its block's step; stochastically, within one step,
+    and the scale is kept (nothing outgrew it)."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(rows, blocks * block, generator=generator) * 2.0**exponent
+    values[0, 0] = 0.0
+    codes, scales = quantize(values, block)
+    assert scales.shape == (rows, blocks if blocks > 1 else 1)
+    step = scales.repeat_interleave(values.shape[1] // scales.shape[1], dim=1)
+    assert ((dequantize(codes, scales) - values).abs() <= step * 0.5 * (1 + 1e-5)).all()
+    kept = scales.clone()
+    store_(codes, scales, values.clone(), generator)
+    assert torch.equal(scales, kept)
+    assert ((dequantize(codes, scales) - values).abs() <= step * (1 + 1e-5)).all()
+
+
 def test_a_block_the_new_values_do_not_fit_is_refitted_with_headroom() -> None:
     weight = torch.randn(2, 512)
     codes, scales = quantize(weight)
