@@ -503,17 +503,18 @@ def test_distributed_flags_fail_in_one_line(workspace: Path, tmp_path: Path, cap
     )
 
 
+def bench_args(optimizers: str, out: Path, *extra: str) -> list[str]:
+    """``slimopt bench`` of ``optimizers`` on llama_9m, one 1×16 step after one, JSON to ``out``."""
+    return [
+        "bench", "--model", "llama_9m", "--optimizers", optimizers, "--batch", "1", "--seq", "16",
+        "--steps", "1", "--warmup", "1", "--json", str(out), *extra,
+    ]  # fmt: skip
+
+
 def test_bench_times_slimopt_beside_the_references(tmp_path: Path, capsys) -> None:
     out = tmp_path / "bench.json"
-    argv = [
-        "bench",
-        "--model",
-        "llama_9m",
-        "--optimizers",
-        "torch_adamw_foreach,torch_adamw_fused,adamw,adamw8bit,apollo_torch_mini,apollo_mini",
-    ]
-    argv += ["--batch", "1", "--seq", "16", "--steps", "1", "--warmup", "1", "--json", str(out)]
-    assert main(argv) == 0
+    names = "torch_adamw_foreach,torch_adamw_fused,adamw,adamw8bit,apollo_torch_mini,apollo_mini"
+    assert main(bench_args(names, out)) == 0
     captured = capsys.readouterr()
     assert "skipping torch_adamw_fused (CUDA only)" in captured.err
     assert "| optimizer | training step s | optimizer step s | state MiB | peak MiB |" in captured.out
@@ -534,18 +535,7 @@ def test_bench_times_slimopt_beside_the_references(tmp_path: Path, capsys) -> No
 
 def test_bench_with_int8_weights_measures_slimopt_and_says_why_not_the_references(tmp_path, capsys) -> None:
     out = tmp_path / "bench.json"
-    argv = [
-        "bench",
-        "--model",
-        "llama_9m",
-        "--optimizers",
-        "torch_adamw_foreach,adamw,taco",
-        "--dtype",
-        "int8",
-    ]
-    assert (
-        main([*argv, "--batch", "1", "--seq", "16", "--steps", "1", "--warmup", "1", "--json", str(out)]) == 0
-    )
+    assert main(bench_args("torch_adamw_foreach,adamw,taco", out, "--dtype", "int8")) == 0
     captured = capsys.readouterr()
     assert "skipping torch_adamw_foreach (int8 weights: the references would change the codes" in captured.err
     assert "int8 weights, 1×16 tokens" in captured.out
