@@ -39,11 +39,14 @@ def state_nbytes(optimizer: Optimizer) -> int:
 
 
 def storages(tensor: Tensor) -> list[Any]:
-    """The storages behind ``tensor``: its own, or those of the tensors a wrapper subclass
-    holds (an int8 weight's codes and scales)."""
+    """The storages behind ``tensor``: its own, or those of the tensors a wrapper subclass holds
+    when it holds nothing else (an int8 weight's codes and scales). A DTensor, which holds its
+    device mesh too, keeps its own (empty) storage: its local shard is counted where it is made."""
     if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
-        return [storage for name in names for storage in storages(getattr(tensor, name))]
+        inner = [getattr(tensor, name) for name in names]
+        if all(isinstance(value, Tensor) for value in inner):
+            return [storage for value in inner for storage in storages(value)]
     return [tensor.untyped_storage()]
 
 
