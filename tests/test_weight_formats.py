@@ -259,6 +259,23 @@ def test_every_optimizer_trains_int8_weights(name: str) -> None:
     assert after < first
 
 
+@pytest.mark.parametrize("name", slimopt.available_optimizers())
+def test_every_optimizer_keeps_a_correction_of_bf16_weights(name: str) -> None:
+    """param_rounding="corrected" under every registry name: every bf16 parameter updated gets
+    its int8 correction, and training lowers the loss."""
+    model = tiny_llama()
+    optimizer = slimopt.build_optimizer(model, name, lr=3e-3, param_rounding="corrected")
+    batch = token_batch(0)
+    first = model(input_ids=batch, labels=batch).loss.item()
+    train_language_model(model, optimizer, range(8))
+    assert model(input_ids=batch, labels=batch).loss.item() < first
+    corrected_params = [p for p in model.parameters() if "weight_correction" in optimizer.state.get(p, {})]
+    assert corrected_params and all(
+        optimizer.state[p]["weight_correction"].shape == p.shape for p in corrected_params
+    )
+    assert any(optimizer.state[p]["weight_correction"].any() for p in corrected_params)
+
+
 @pytest.mark.parametrize("name", ["adamw", "galore_adamw", "taco", "apollo_mini"])
 def test_layerwise_updates_int8_weights_as_step_does(name: str) -> None:
     stepped, hooked = quantize_weights(tiny_llama(), "int8"), quantize_weights(tiny_llama(), "int8")
