@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slimopt.core.moments import NOT_MOMENTS
 from slimopt.core.scaling import LIMITER_KEY
 from slimopt.core.weights import CORRECTION_KEY
 from slimopt.earlier_layouts import carried_over
@@ -45,8 +46,6 @@ TORCH_ADAM_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 COUNTERS = ("step", "moment_step", "nonfinite_skips", "seed", "refresh_offset", "basis_draw")
 # LIMITER_KEY: APOLLO's; CORRECTION_KEY: bf16 weights' 8-bit correction (param_rounding="corrected").
 SHELL_KEYS = {*COUNTERS, "basis_left", "basis_right", LIMITER_KEY, CORRECTION_KEY}
-
-KEPT_ON_CONVERSION = (LIMITER_KEY, CORRECTION_KEY)  # no moments: kept as saved in any storage
 
 
 def is_slimopt_state_dict(state_dict: dict[str, Any]) -> bool:
@@ -271,7 +270,7 @@ def restore_storage(optimizer: GaLoreOptimizer, storage: list[dict[str, Any]]) -
         for unit, moments, basis in contents:
             state = optimizer.state_of(unit)
             # Moments and bases are stored anew; APOLLO's limiter norm and a weight correction stay.
-            for key in [k for k, v in state.items() if isinstance(v, Tensor) and k not in KEPT_ON_CONVERSION]:
+            for key in [k for k, v in state.items() if isinstance(v, Tensor) and k not in NOT_MOMENTS]:
                 del state[key]
             if moments:
                 optimizer.store_moments(unit, moments)

@@ -35,7 +35,7 @@ from slimopt.layerwise import check_refresh_from, layerwise
 from slimopt.memory import LiveBytes, storage_nbytes, storages
 from slimopt.process_memory import parameter_bytes, per_process
 from slimopt.registry import OPTIMIZERS, build_optimizer, projected_weights, resolve_name
-from slimopt.weight_formats import COMPUTE_DTYPES, optimizer_options, quantize_weights, weight_dtype
+from slimopt.weight_formats import optimizer_options, weight_dtype
 
 TERMS = (
     "weights",
@@ -238,14 +238,13 @@ def build_model(setting: dict[str, Any], device: torch.device) -> nn.Module:
     from slimopt.train import models
 
     with torch.device(device):
-        model = models.build_model(
+        return models.build_model(
             setting["model"],
             setting["vocab_size"],
             setting["seq_len"],
-            dtype=COMPUTE_DTYPES[setting["dtype"]],
+            weights=setting["dtype"],
             checkpointing=setting["checkpointing"],
         )
-    return quantize_weights(model, "int8") if setting["dtype"] == "int8" else model
 
 
 def _check_rank(model: nn.Module, setting: dict[str, Any], options: dict[str, Any]) -> None:

@@ -20,6 +20,9 @@ from slimopt.core.weights import CORRECTION_KEY
 from slimopt.projection import Basis, projected_shape
 
 State = MutableMapping[str, Any]
+# State tensors that are neither moments nor a basis, kept as they are in any storage format:
+# APOLLO's limiter norm and bf16 weights' 8-bit correction.
+NOT_MOMENTS = (LIMITER_KEY, CORRECTION_KEY)
 
 
 def decode_all(plan: Plan, state: State, shape: torch.Size, layout: torch.Size) -> dict[str, Tensor]:
@@ -95,7 +98,7 @@ def decoded(
         if (
             isinstance(value, Tensor)
             and key not in moment_parts
-            and key not in (LIMITER_KEY, CORRECTION_KEY)
+            and key not in NOT_MOMENTS
             and not is_basis_key(key)
         ):
             moments[key] = value

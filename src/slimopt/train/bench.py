@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from slimopt.memory import LiveBytes, state_tensors
 from slimopt.registry import OPTIMIZERS, build_optimizer, resolve_name
-from slimopt.weight_formats import COMPUTE_DTYPES, optimizer_options, quantize_weights
+from slimopt.weight_formats import optimizer_options
 
 # References: name → (package that must be installed, whether it needs CUDA, constructor).
 REFERENCES: dict[str, tuple[str | None, bool, Callable[[nn.Module, float], Any]]] = {
@@ -186,10 +186,9 @@ def write_json(rows: list[dict[str, Any]], setting: dict[str, Any], path: str | 
 def _model(name: str, device: torch.device, dtype: str | None) -> nn.Module:
     from slimopt.train.models import build_model
 
-    dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
+    weights = dtype or ("bf16" if device.type == "cuda" else "fp32")
     with torch.device(device):
-        model = build_model(name, 32000, 2048, dtype=COMPUTE_DTYPES[dtype])
-    return quantize_weights(model, "int8") if dtype == "int8" else model
+        return build_model(name, 32000, 2048, weights=weights)
 
 
 def _optimizer(model: nn.Module, name: str, lr: float, rank: int | None, dtype: str | None) -> Any:

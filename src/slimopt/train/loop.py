@@ -39,7 +39,6 @@ from slimopt.train.parallel import Parallel, start_run
 from slimopt.train.report import count, messenger, progress_bar
 from slimopt.train.rundir import RunLock, check_free, check_out, claim, run_directory
 from slimopt.train.tokenizer import TextTokenizer
-from slimopt.weight_formats import COMPUTE_DTYPES, quantize_weights
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
@@ -58,15 +57,10 @@ def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
 def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
     """The run's model: a LLaMA preset, or a Hugging Face config file or directory
     (``slimopt.train.models.build_model``)."""
-    dtype = COMPUTE_DTYPES[config.dtype] if config.dtype != "fp32" else None
+    weights = None if config.dtype == "fp32" else config.dtype  # fp32: as built, as before --dtype
     return models.build_model(
-        config.model, vocab_size, config.seq_len, dtype=dtype, checkpointing=config.checkpointing
+        config.model, vocab_size, config.seq_len, weights=weights, checkpointing=config.checkpointing
     )
-
-
-def store_weights(model: nn.Module, config: TrainConfig) -> nn.Module:
-    """``model`` (on its device) with its linear weights in int8 if the run's dtype says so."""
-    return quantize_weights(model, "int8") if config.dtype == "int8" else model
 
 
 def check_optimizer(config: TrainConfig, vocab_size: int) -> None:
@@ -76,7 +70,7 @@ def check_optimizer(config: TrainConfig, vocab_size: int) -> None:
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the real build warns, once
-        model = store_weights(build_model(config, vocab_size), config)
+        model = build_model(config, vocab_size)
         build_optimizer(model, config.optimizer, lr=config.lr, **config.optimizer_settings())
 
 
@@ -193,7 +187,7 @@ def _prepare(config: TrainConfig, parallel: Parallel, data: Data | None) -> _Run
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     tokenizer, train_rows, validation_rows = data or parallel.first_then_others(lambda: prepare_data(config))
-    model = store_weights(build_model(config, tokenizer.vocab_size).to(device), config)
+    model = build_model(config, tokenizer.vocab_size).to(device)
     wrapped = parallel.wrap(model)
     optimizer = parallel.optimizer(model, config.optimizer, config.lr, config.optimizer_settings())
     note = _record_choices(config, getattr(optimizer, "optim", optimizer), parallel)

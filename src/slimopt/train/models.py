@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from slimopt.weight_formats import COMPUTE_DTYPES, quantize_weights, weight_dtype
+
 LLAMA_PRESETS: dict[str, tuple[int, int, int, int]] = {
     "llama_9m": (128, 352, 4, 4),
     "llama_20m": (256, 688, 4, 4),
@@ -57,14 +59,18 @@ def build_model(
     vocab_size: int,
     seq_len: int,
     *,
-    dtype: torch.dtype | None = None,
+    weights: str | None = None,
     checkpointing: bool = False,
 ) -> nn.Module:
     """The one model builder of the training loop, the planner and ``slimopt bench``: a Hugging
     Face config file or directory ``model`` (``AutoModelForCausalLM``), else a LLaMA preset name,
-    randomly initialised with ``vocab_size`` tokens and room for ``seq_len``; built directly in
-    ``dtype`` when given (buffers too), with activation checkpointing if asked, in training mode.
-    Raises ``ValueError`` for a name that is neither a path nor a preset."""
+    randomly initialised with ``vocab_size`` tokens and room for ``seq_len``; with its weights
+    stored as ``weights`` says (``slimopt.weight_formats``: built directly in the dtype it
+    computes in, buffers too, then "int8" quantizes the linear weights; None: as built), with
+    activation checkpointing if asked, in training mode. Raises ``ValueError`` for a name that
+    is neither a path nor a preset, or an unknown ``weights``."""
+    weights = None if weights is None else weight_dtype(weights)
+    dtype = None if weights is None else COMPUTE_DTYPES[weights]
     with contextlib.nullcontext() if dtype is None else default_dtype(dtype):
         if Path(model).exists():
             from transformers import AutoConfig, AutoModelForCausalLM
@@ -76,6 +82,8 @@ def build_model(
             built = build_llama(model, vocab_size, max_seq_len=seq_len)
     if dtype is not None:
         built.to(dtype)  # also the buffers Hugging Face makes in fp32 explicitly (rotary)
+    if weights == "int8":
+        quantize_weights(built, "int8")
     if checkpointing:
         enable_checkpointing(built)
     return built.train()
