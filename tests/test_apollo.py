@@ -231,7 +231,10 @@ def test_apply_update_of_an_apollo_group_needs_the_raw_gradient() -> None:
     ("options", "message"),
     [
         ({"scale_type": "rows"}, "unknown scale_type 'rows'; valid: None, channel, tensor"),
-        ({"norm_growth_limit": 0.5}, "norm_growth_limit must be a number >= 1 or None, got 0.5"),
+        (
+            {"norm_growth_limit": 0.5},
+            "norm_growth_limit must be a finite number >= 1, or None for no limiter, got 0.5",
+        ),
         ({"proj_type": "full"}, "scale_type='channel' scales the unprojected side's channels"),
         (
             {"on_subspace_change": "rotate"},

@@ -324,11 +324,11 @@ def test_the_default_out_is_new_for_every_run(workspace: Path, tmp_path: Path, c
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--lr", "0"], "--lr must be a positive number, got 0.0"),
-        (["--lr", "-1e-3"], "--lr must be a positive number, got -0.001"),
-        (["--lr=-1e-3"], "--lr must be a positive number, got -0.001"),
-        (["--warmup", "-1"], "--warmup must be a number >= 0, got -1.0"),
-        (["--grad-clip", "-0.5"], "--grad-clip must be a number >= 0, got -0.5"),
+        (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+        (["--lr", "-1e-3"], "--lr must be a finite number > 0, got -0.001"),
+        (["--lr=-1e-3"], "--lr must be a finite number > 0, got -0.001"),
+        (["--warmup", "-1"], "--warmup must be a finite number >= 0, got -1.0"),
+        (["--grad-clip", "-0.5"], "--grad-clip must be a finite number >= 0, got -0.5"),
         (["--steps", "0"], "--steps must be a positive integer, got 0"),
         (["--eval-every", "-2"], "--eval-every must be a positive integer, got -2"),
         (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
@@ -336,6 +336,16 @@ def test_the_default_out_is_new_for_every_run(workspace: Path, tmp_path: Path, c
         # Optimizer flags are read as Hugging Face's optim_args are (registry.parse_option).
         (["--rank", "four"], "argument --rank: rank='four': expected int"),
         (["--scale", "big"], "argument --scale: scale='big': expected float"),
+        # Non-finite values, and finite ones float32 cannot hold, are refused before training.
+        (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+        (["--grad-clip", "nan"], "--grad-clip must be a finite number >= 0, got nan"),
+        (["--lr", "1e300"], "--lr must be a finite number > 0, got 1e+300 (beyond float32's range"),
+        (
+            ["--optimizer", "apollo_adamw", "--norm-growth-limit", "inf"],
+            "norm_growth_limit must be a finite number >= 1, or None for no limiter, got inf",
+        ),
+        # --weight-decay was read with the projection options' types, which lack it (a KeyError).
+        (["--weight-decay", "inf"], "weight_decay must be a finite number >= 0, got inf"),
     ],
 )
 def test_each_bad_value_is_one_line_naming_the_flag(flags, message, workspace, tmp_path, capsys) -> None:

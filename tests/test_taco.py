@@ -208,7 +208,7 @@ def test_the_fallback_takes_its_own_learning_rate_and_a_scheduler_scales_both() 
     assert lrs == {"taco": 0.05, "fallback": 1e-3, "no_decay": 1e-3}
     torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 0.5)
     assert {g["name"]: g["lr"] for g in optimizer.param_groups} == {k: v * 0.5 for k, v in lrs.items()}
-    with pytest.raises(ValueError, match="fallback_lr must be a number >= 0, got -1"):
+    with pytest.raises(ValueError, match="fallback_lr must be a finite number >= 0, got -1"):
         slimopt.build_optimizer(tiny_llama(), "taco", lr=0.05, fallback_lr=-1)
 
 

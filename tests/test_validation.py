@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from slimopt import GaLoreAdafactor, GaLoreAdamW, available_optimizers, build_optimizer
+from slimopt import TACO, APOLLOAdamW, GaLoreAdafactor, GaLoreAdamW, available_optimizers, build_optimizer
 
 from .conftest import tiny_llama
 
@@ -105,3 +107,53 @@ def test_adafactor_refuses_values_that_are_not_numbers() -> None:
         GaLoreAdafactor([torch.randn(3, 3)], eps=(None, 1e-3))
     with pytest.raises(ValueError, match="decay_rate must be < 0, got None"):
         GaLoreAdafactor([torch.randn(3, 3)], decay_rate=None)
+
+
+# Every float hyperparameter and option, as a param group of an optimizer sets it: (class, what
+# the group needs besides, key, index inside a pair or None).
+FLOAT_OPTIONS = [
+    (GaLoreAdamW, {}, "lr", None),
+    (GaLoreAdamW, {}, "eps", None),
+    (GaLoreAdamW, {}, "weight_decay", None),
+    (GaLoreAdamW, {}, "betas", 0),
+    (GaLoreAdamW, {"rank": 2}, "scale", None),
+    (APOLLOAdamW, {"rank": 2}, "norm_growth_limit", None),
+    (GaLoreAdamW, {"rule": "lion"}, "betas", 1),
+    (GaLoreAdafactor, {"lr": 1e-3, "relative_step": False}, "lr", None),
+    (GaLoreAdafactor, {}, "clip_threshold", None),
+    (GaLoreAdafactor, {}, "decay_rate", None),
+    (GaLoreAdafactor, {}, "beta1", None),
+    (GaLoreAdafactor, {}, "eps", 1),
+    (TACO, {}, "beta", None),
+    (TACO, {}, "lr", None),
+]
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan, 1e300, -1e300], ids=str)
+@pytest.mark.parametrize(("cls", "needs", "key", "index"), FLOAT_OPTIONS, ids=lambda v: str(v)[:20])
+def test_every_float_option_refuses_what_float32_cannot_hold(cls, needs, key, index, bad) -> None:
+    """inf, NaN and values beyond float32's range (1e300 becomes inf in the first fp32 tensor)
+    are refused at construction, naming the key: none of them trains."""
+    group = {"params": [torch.zeros(4, 4, requires_grad=True)], **needs}
+    if index is None:
+        group[key] = bad
+    else:
+        pair = list(
+            cls([torch.zeros(1)], **({"lr": 1e-3} if cls is not GaLoreAdafactor else {})).defaults[key]
+        )
+        pair[index] = bad
+        group[key] = tuple(pair)
+    with pytest.raises(ValueError, match=rf"param group 0: .*{key}"):
+        cls([group])
+
+
+def test_fallback_lr_and_max_grad_norm_refuse_infinity() -> None:
+    with pytest.raises(ValueError, match="fallback_lr must be a finite number >= 0, got inf"):
+        build_optimizer(tiny_llama(0), "taco", lr=1e-3, fallback_lr=math.inf)
+    from slimopt import layerwise
+
+    optimizer = GaLoreAdamW([torch.zeros(2, 2, requires_grad=True)])
+    with pytest.raises(
+        ValueError, match="max_grad_norm must be a finite number > 0, or None for no clipping"
+    ):
+        layerwise(optimizer, max_grad_norm=math.inf)

@@ -179,17 +179,17 @@ def _optimizer_flags(parser: argparse.ArgumentParser) -> None:
             )
         else:
             parser.add_argument(
-                f"--{name.replace('_', '-')}", type=_option_reader(name), help=_option_help(name)
+                f"--{name.replace('_', '-')}", type=_option_reader(name, kind), help=_option_help(name)
             )
 
 
-def _option_reader(name: str) -> Callable[[str], Any]:
+def _option_reader(name: str, kind: type) -> Callable[[str], Any]:
     """argparse's reading of optimizer flag ``name``: ``parse_option``, which Hugging Face's
     ``optim_args`` read with too; its error becomes argparse's (exit 2, one line)."""
 
     def read(text: str) -> Any:
         try:
-            return parse_option(name, text)
+            return parse_option(name, text, kind)
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
 

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slimopt.checks import beyond_float32, number_error
 from slimopt.optimizers import GaLoreOptimizer
 from slimopt.projection import project
 from slimopt.sharding import local_view, split_by_rows
@@ -319,8 +320,11 @@ def layerwise(
     steps = accumulation_steps
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
-    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+    if max_grad_norm is not None and number_error("max_grad_norm", max_grad_norm, strict=True):
+        raise ValueError(
+            f"max_grad_norm must be a finite number > 0, or None for no clipping, got {max_grad_norm!r}"
+            f"{beyond_float32(max_grad_norm)}"
+        )
     check_refresh_from(refresh_from)
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise TypeError("ReduceLROnPlateau needs a metric: step it yourself, after evaluation")

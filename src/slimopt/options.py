@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from slimopt import kernels
-from slimopt.checks import number_error
+from slimopt.checks import beyond_float32, number, number_error
 from slimopt.codecs import moment_formats
 from slimopt.codecs.slicing import matrix_shape
 from slimopt.projection import PROJ_METHODS, PROJ_TYPES
@@ -203,8 +203,12 @@ def _scaling_errors(group: dict[str, Any]) -> list[str]:
     errors = []
     limit, scale_type = group["norm_growth_limit"], group["scale_type"]
     if limit is not None:
-        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 1:
-            errors.append(f"norm_growth_limit must be a number >= 1 or None, got {limit!r}")
+        found = number(limit)
+        if found is None or found < 1:
+            errors.append(
+                f"norm_growth_limit must be a finite number >= 1, or None for no limiter, got "
+                f"{limit!r}{beyond_float32(limit)}"
+            )
         elif scale_type is None:
             errors.append(
                 "norm_growth_limit limits APOLLO's scaled gradient: set scale_type ('channel' or "

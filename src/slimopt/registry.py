@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from slimopt.checks import number_error
 from slimopt.codecs.slicing import matrix_shape
 from slimopt.optimizers import (
     TACO,
@@ -52,12 +53,12 @@ OPTION_TYPES: dict[str, type] = {
 NONE_OPTIONS = ("block_size", "scale_type", "norm_growth_limit")
 
 
-def parse_option(key: str, text: str) -> Any:
-    """The value of optimizer option ``key`` (one of ``OPTION_TYPES``) written as ``text``: the
-    one reading of option text, for the command line's flags and Hugging Face's ``optim_args``.
-    Booleans are true/false/1/0; ``NONE_OPTIONS`` may be none. Raises ``ValueError`` naming the
-    key, the text and the type expected."""
-    kind = OPTION_TYPES[key]
+def parse_option(key: str, text: str, kind: type | None = None) -> Any:
+    """The value of optimizer option ``key`` written as ``text``, read as ``kind`` (None: its
+    type in ``OPTION_TYPES``): the one reading of option text, for the command line's flags and
+    Hugging Face's ``optim_args``. Booleans are true/false/1/0; ``NONE_OPTIONS`` may be none.
+    Raises ``ValueError`` naming the key, the text and the type expected."""
+    kind = OPTION_TYPES[key] if kind is None else kind
     if kind is bool:
         lowered = text.lower()
         if lowered not in ("true", "false", "1", "0"):
@@ -445,8 +446,9 @@ def _build_taco(
     fallback = {**TACO_FALLBACK, "states": options.pop("fallback_states", TACO_FALLBACK["states"])}
     fallback_lr = options.pop("fallback_lr", None)
     if fallback_lr is not None:
-        if isinstance(fallback_lr, bool) or not isinstance(fallback_lr, (int, float)) or not fallback_lr >= 0:
-            raise ValueError(f"fallback_lr must be a number >= 0, got {fallback_lr!r}")
+        errors = number_error("fallback_lr", fallback_lr)
+        if errors:
+            raise ValueError(errors[0])
         fallback["lr"] = float(fallback_lr)
     params = {id(p): p for p in model.parameters() if p.requires_grad}
     targets, transposed_ids, expert_ids = _target_weight_ids(model, target_modules)

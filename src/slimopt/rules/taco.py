@@ -32,7 +32,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor
 
-from slimopt.checks import number_error
+from slimopt.checks import number, number_error
 
 # fp8 e4m3's largest finite value: a column's largest slot is stored as this.
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
@@ -187,7 +187,8 @@ class TACORule:
         k = settings["k"]
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             errors.append(f"k must be an integer >= 0 (0: no history), got {k!r}")
-        if not (isinstance(settings["beta"], (int, float)) and 0.0 <= settings["beta"] < 1.0):
+        beta = number(settings["beta"])
+        if beta is None or not 0.0 <= beta < 1.0:
             errors.append(f"beta must be in [0, 1), got {settings['beta']!r}")
         if settings["sketch_values"] not in VALUE_FORMATS:
             errors.append(

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from slimopt.checks import beyond_float32, number
 from slimopt.distributed import STRATEGIES
 from slimopt.layerwise import check_refresh_from
 from slimopt.train.rundir import default_out
@@ -55,21 +56,23 @@ class TrainConfig:
         """Validate every value (``ValueError`` naming the flag and the value) and fill in the
         defaults that depend on others (``eval_every``, ``out``)."""
         for name in ("steps", "seq_len", "vocab_size", "batch_size", "eval_batches"):
-            _check(name, getattr(self, name), "a positive integer", lambda v: v > 0)
+            _check_count(name, getattr(self, name))
         if self.micro_batch_size is not None:
-            _check("micro_batch_size", self.micro_batch_size, "a positive integer", lambda v: v > 0)
+            _check_count("micro_batch_size", self.micro_batch_size)
         micro = self.micro_batch_size or self.batch_size
         if self.batch_size % micro:
             raise ValueError(
                 f"batch size {self.batch_size} is not a positive multiple of the micro-batch size {micro}"
             )
-        _check("lr", self.lr, "a positive number", lambda v: v > 0)
-        for name in ("warmup", "grad_clip", "save_every"):
-            _check(name, getattr(self, name), "a number >= 0", lambda v: v >= 0)
+        _check("lr", self.lr, "a finite number > 0", lambda v: v > 0)
+        for name in ("warmup", "grad_clip"):
+            _check(name, getattr(self, name), "a finite number >= 0", lambda v: v >= 0)
+        _check_count("save_every", self.save_every, minimum=0)
         _check("min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]", lambda v: 0 <= v <= 1)
+        _check("validation_fraction", self.validation_fraction, "a number in (0, 1)", lambda v: 0 < v < 1)
         if self.eval_every is None:
             self.eval_every = max(1, self.steps // 10)
-        _check("eval_every", self.eval_every, "a positive integer", lambda v: v > 0)
+        _check_count("eval_every", self.eval_every)
         if self.device not in DEVICES:
             raise ValueError(f"unknown --device {self.device!r}; valid: {', '.join(DEVICES)}")
         check_refresh_from(self.refresh_from, self.layerwise, "add --layerwise")
@@ -114,9 +117,20 @@ class TrainConfig:
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def _check(name: str, value: Any, expected: str, valid: Callable[[Any], bool]) -> None:
-    flag = "--" + name.replace("_", "-")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not valid(value):
+def _check(name: str, value: Any, expected: str, valid: Callable[[float], bool]) -> None:
+    """Raise ``ValueError`` naming the flag unless ``value`` is a number finite in float32
+    (``slimopt.checks.number``) that is ``valid``."""
+    found = number(value)
+    if found is None or not valid(found):
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(f"{flag} must be {expected}, got {value!r}{beyond_float32(value)}")
+
+
+def _check_count(name: str, value: Any, minimum: int = 1) -> None:
+    """Raise ``ValueError`` naming the flag unless ``value`` is an integer >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        flag = "--" + name.replace("_", "-")
+        expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ValueError(f"{flag} must be {expected}, got {value!r}")
 
 
