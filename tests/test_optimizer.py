@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import slimopt
 import slimopt.projection
+import slimopt.rules
 from slimopt import GaLoreAdafactor, GaLoreAdamW
 
 
@@ -176,6 +178,57 @@ def test_a_group_of_another_rule_takes_that_rules_defaults() -> None:
     assert torch.equal(weight, twin)
     with pytest.raises(ValueError, match="param group 0: lr is required: AdamW has no relative step size"):
         GaLoreAdafactor([{"params": [weight], "rule": "adamw"}])
+
+
+def _twin(shape=(24, 16)):
+    torch.manual_seed(0)
+    weight = torch.randn(shape, requires_grad=True)
+    return weight, weight.detach().clone().requires_grad_()
+
+
+@pytest.mark.parametrize(
+    ("make", "reference"),
+    [
+        (lambda p: GaLoreAdamW(p, rule="lion"), lambda p: GaLoreAdamW([{"params": p, "rule": "lion"}])),
+        (
+            lambda p: slimopt.AdamWTernary(p, rule="lion"),
+            lambda p: slimopt.AdamWTernary([{"params": p, "rule": "lion"}]),
+        ),
+        (lambda p: GaLoreAdafactor(p, lr=1e-3, rule="adamw"), lambda p: GaLoreAdamW(p, weight_decay=0.0)),
+        (
+            lambda p: GaLoreAdamW(p, lr=None, rule="adafactor"),
+            lambda p: GaLoreAdafactor(p, weight_decay=1e-2),
+        ),
+    ],
+    ids=["galore-lion", "ternary-lion", "adafactor-adamw", "adamw-adafactor"],
+)
+def test_a_constructor_rule_takes_that_rules_defaults(make, reference) -> None:
+    """A constructor's ``rule`` used to keep the class's own hyperparameters (Lion at AdamW's
+    betas, or at the ternary optimizer's 0.7) or to raise ``KeyError``: it fills what the caller
+    left out from that rule's defaults, as a param group's ``rule`` does, and keeps the class's
+    ``lr`` and ``weight_decay``."""
+    weight, twin = _twin()
+    ours, theirs = make([weight]), reference([twin])
+    rule = ours.param_groups[0]["rule"]
+    keys = {"lr", "weight_decay", *slimopt.rules.RULES[rule].defaults}
+    assert {k: ours.param_groups[0][k] for k in keys} == {k: theirs.param_groups[0][k] for k in keys}
+    _twin_steps(ours, theirs, [weight], [twin])
+    assert torch.equal(weight, twin)
+
+
+def test_a_constructor_rule_keeps_what_the_caller_gave() -> None:
+    """Given hyperparameters stay, even when they equal the class's own defaults; a group that
+    names the class's own rule under a constructor ``rule`` takes that rule's defaults."""
+    weight, other = _twin()
+    optimizer = GaLoreAdamW(
+        [{"params": [weight]}, {"params": [other], "rule": "adamw"}], rule="lion", betas=(0.9, 0.999)
+    )
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+    plain = GaLoreAdamW([{"params": [weight]}, {"params": [other], "rule": "adamw"}], rule="lion")
+    assert plain.param_groups[0]["betas"] == (0.9, 0.99) and plain.param_groups[1]["betas"] == (0.9, 0.999)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    built = slimopt.build_optimizer(model, "adafactor", lr=1e-3, rule="adamw")
+    assert built.param_groups[0]["betas"] == (0.9, 0.999) and built.param_groups[0]["eps"] == 1e-8
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
