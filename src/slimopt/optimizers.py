@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
+from slimopt.core.hyperparameters import recording_given
 from slimopt.core.shell import GaLoreOptimizer
 from slimopt.rules import AdafactorRule, AdamWRule, TACORule
 from slimopt.rules.taco import TACO_DEFAULTS
@@ -45,6 +46,8 @@ class GaLoreAdamW(GaLoreOptimizer):
 
     rule = AdamWRule()
 
+    # Records what the caller gave: a constructor ``rule`` takes that rule's defaults for the rest.
+    @recording_given
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -90,6 +93,7 @@ class GaLoreAdafactor(GaLoreOptimizer):
 
     rule = AdafactorRule()
 
+    @recording_given
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -145,6 +149,7 @@ class AdamWTernary(GaLoreAdamW):
 
     default_states = "ternary"
 
+    @recording_given
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -169,6 +174,7 @@ class TACO(GaLoreOptimizer):
     rule = TACORule()
     rule_defaults: ClassVar[dict[str, tuple[str, ...]]] = {"adamw": ("betas", "eps")}
 
+    @recording_given
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],

@@ -16,8 +16,6 @@ at a time.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable, Iterable, MutableMapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, ClassVar
@@ -30,6 +28,7 @@ from slimopt import kernels, loading
 from slimopt.core import basis as stored_basis
 from slimopt.core import moments, units
 from slimopt.core.decisions import combined, decide
+from slimopt.core.hyperparameters import constructor_defaults, fill_rule_defaults
 from slimopt.core.plan import Place, Plan, PlanContext, make_plan, path_of
 from slimopt.core.record import Update, keep_raw
 from slimopt.core.refresh import agreed, refresh_due, refresh_when_due
@@ -68,21 +67,13 @@ class GaLoreOptimizer(Optimizer):
             raise TypeError(f"unknown option(s) {', '.join(unknown)}; valid options: {', '.join(valid)}")
         if options.get("rank") is None:
             options.pop("rank", None)
-        given = self.__dict__.pop("_given", None)
-        rule = options.get("rule")
-        if rule in RULES and type(RULES[rule]) is not type(self.rule):
-            defaults = _defaults_of_rule(rule, defaults, given)
+        defaults = constructor_defaults(
+            options.get("rule"), self.rule, defaults, self.__dict__.pop("_given", None)
+        )
         self._reset_private()
         storage = {**STORAGE_DEFAULTS, "states": self.default_states}
         projection = {**PROJECTION_DEFAULTS, **self.projection_defaults}
         super().__init__(params, {**defaults, "rule": None, **projection, **storage, **options})
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Each constructor of a subclass records which arguments its caller gave: a
-        constructor ``rule`` takes that rule's defaults for the hyperparameters left out."""
-        super().__init_subclass__(**kwargs)
-        if "__init__" in vars(cls):
-            cls.__init__ = _recording_given(cls.__init__)
 
     def _reset_private(self) -> None:
         """What the shell keeps besides torch.optim's defaults, state and groups: caches and
@@ -116,13 +107,7 @@ class GaLoreOptimizer(Optimizer):
         A group whose ``rule`` is not the constructor's (this optimizer's own, unless the
         constructor named a ``rule``) takes that rule's defaults for the hyperparameters it does
         not set (but ``rule_defaults``), and this optimizer's ``lr`` and ``weight_decay``."""
-        rule = param_group.get("rule")
-        default = self.defaults.get("rule")
-        default_rule = RULES.get(default, self.rule)
-        if rule in RULES and type(RULES[rule]) is not type(default_rule):
-            for key, value in RULES[rule].defaults.items():
-                if key not in self.rule_defaults.get(rule, ()):
-                    param_group.setdefault(key, value)
+        fill_rule_defaults(param_group, RULES.get(self.defaults.get("rule"), self.rule), self.rule_defaults)
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         group = self.param_groups[index]
@@ -458,29 +443,3 @@ class GaLoreOptimizer(Optimizer):
             if any(p is param for p in group["params"]):
                 return group
         raise KeyError(f"tensor {tuple(param.shape)} is not a parameter of this optimizer")
-
-
-def _recording_given(init: Callable[..., None]) -> Callable[..., None]:
-    """``init``, a subclass constructor, that first records the names of the arguments its
-    caller gave (as ``_given``, which ``GaLoreOptimizer.__init__`` takes): only the outermost of
-    nested constructors records, since an inner one is called with every argument."""
-    signature = inspect.signature(init)
-    extra = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-
-    @functools.wraps(init)
-    def recording(self: GaLoreOptimizer, *args: Any, **kwargs: Any) -> None:
-        if "_given" not in self.__dict__:
-            arguments = signature.bind(self, *args, **kwargs).arguments
-            self._given = {*arguments, *arguments.get(extra, {})} - {extra}
-        init(self, *args, **kwargs)
-
-    return recording
-
-
-def _defaults_of_rule(rule: str, defaults: dict[str, Any], given: set[str] | None) -> dict[str, Any]:
-    """A constructor's ``defaults`` when its ``rule`` is not the optimizer's own: ``lr``,
-    ``weight_decay`` and the hyperparameters its caller gave (``given``; None: all of them), and
-    ``rule``'s defaults for the rest, as a param group of that rule gets them."""
-    kept = {key: value for key, value in defaults.items() if given is None or key in given}
-    kept |= {key: defaults[key] for key in ("lr", "weight_decay") if key in defaults}
-    return {**RULES[rule].defaults, **kept}
