@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,6 +98,18 @@ def tiny_llama(seed: int = 0, dims: tuple[int, int, int, int] = (64, 172, 4, 2))
 
     torch.manual_seed(seed)
     return build_llama(dims, BYTE_VOCAB, max_seq_len=128)
+
+
+@pytest.fixture
+def one_process_group(tmp_path: Path) -> Iterator[None]:
+    """A gloo process group of one process (FSDP2 shards over it as over several)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

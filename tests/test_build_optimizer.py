@@ -92,18 +92,6 @@ def test_hugging_face_names_build_the_same_optimizer(hf_name, cls, states) -> No
         build_optimizer(tiny_llama(0), "sgd", lr=1e-3)
 
 
-@pytest.fixture
-def one_process_group(tmp_path):
-    """A gloo process group of one process (FSDP2 shards over it as over several)."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_weights_fsdp2_splits_by_rows_take_the_basis_on_the_unsplit_side(one_process_group) -> None:
     """``build_optimizer(model, "galore_adamw")`` on a model FSDP2 has sharded used to be refused
     ("use proj_type='right'"); it now chooses right itself, and ``describe`` says why. A side the

@@ -499,12 +499,52 @@ def test_torchrun_trains_like_one_process_and_resumes(workspace: Path, tmp_path:
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), a["step"]
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--dtype", "int8"],
+            "--dtype int8 with 2 processes under torchrun (ddp): int8 weights train in one",
+        ),
+        (["--layerwise"], "--layerwise with 2 processes under torchrun (ddp): DDP averages gradients"),
+    ],
+)
+def test_what_torchruns_default_ddp_cannot_train_is_refused(
+    flags, message, workspace: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """Under torchrun without --distributed, two processes share the run by DDP: int8 weights
+    crashed in DDP's broadcast on every process, and --layerwise raised a traceback; both are one
+    line now, as with --distributed ddp, before anything is written."""
+    from slimopt.train.parallel import Parallel
+
+    monkeypatch.setattr("slimopt.train.loop.start_run", lambda strategy, device: Parallel("ddp", 0, 2))
+    assert main(["train", *flags, *run_args(workspace, tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_distributed_none_under_torchrun_with_several_processes_is_refused(monkeypatch) -> None:
+    """It started DDP (none was read as "the default")."""
+    from slimopt.train.parallel import start_run
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match="--distributed none trains in one process, but torchrun started 2"):
+        start_run("none", "cpu")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert start_run("none", "cpu").strategy is None
+
+
 def test_distributed_flags_fail_in_one_line(workspace: Path, tmp_path: Path, capsys) -> None:
     assert main(["train", "--distributed", "fsdp2", *run_args(workspace, tmp_path / "a")]) == 2
     assert "--distributed fsdp2 runs under torchrun: torchrun --nproc_per_node N" in capsys.readouterr().err
     argv = ["train", "--distributed", "ddp", "--layerwise", *run_args(workspace, tmp_path / "b")]
     assert main(argv) == 2
-    assert "--layerwise with --distributed ddp" in capsys.readouterr().err
+    assert "--layerwise with --distributed ddp: DDP averages gradients" in capsys.readouterr().err
+    argv = ["train", "--distributed", "zero1", "--dtype", "int8", *run_args(workspace, tmp_path / "c")]
+    assert main(argv) == 2
+    assert "--dtype int8 with --distributed zero1: int8 weights train in one" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--distributed", "deepspeed"])
     error = capsys.readouterr().err

@@ -189,6 +189,27 @@ def test_training_arguments_optim_chooses_the_optimizer(shakespeare_tokens, tmp_
     assert any(key.endswith(".codes") for s in optimizer.state.values() for key in s) == ("8bit" in optim)
 
 
+@pytest.mark.parametrize("optim", ["galore_adamw", "galore_adamw_8bit", "galore_adafactor", "apollo_adamw"])
+def test_hugging_face_names_take_hugging_faces_defaults(tmp_path, optim) -> None:
+    """Without rank in optim_args, SlimoptTrainer used slimopt's rank (a quarter of the smaller
+    side, 16 here) where Trainer uses 128: the projection options of the projected group are now
+    those of Hugging Face's own Trainer for the same TrainingArguments; slimopt's own name keeps
+    slimopt's rank."""
+    model = tiny_llama()
+    args = _args(tmp_path, optim=optim, optim_target_modules=["attn", "mlp"], optim_args="")
+    theirs = transformers.Trainer(model=model, args=args).create_optimizer()
+    reference = next(group for group in theirs.param_groups if "rank" in group)
+    ours = SlimoptTrainer(model=tiny_llama(), args=args).create_optimizer()
+    projected = next(group for group in ours.param_groups if "rank" in group)
+    for key in ("rank", "update_proj_gap", "scale", "proj_type"):
+        assert projected[key] == reference[key], key
+    if optim == "apollo_adamw":
+        assert projected["proj_method"] == reference["proj"] and projected["scale_type"] == "channel"
+    plain = _args(tmp_path, optim_target_modules=["attn", "mlp"], optim_args="")
+    own = SlimoptTrainer(model=tiny_llama(), args=plain, optimizer_name="galore_adamw").create_optimizer()
+    assert own.param_groups[0]["rank"] == 16
+
+
 def test_training_arguments_optim_without_a_slimopt_counterpart_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"TrainingArguments\(optim='sgd'\) has no slimopt counterpart"):
         SlimoptTrainer(model=tiny_llama(), args=_args(tmp_path, optim="sgd"))

@@ -244,6 +244,22 @@ def test_int8_weights_fit_llama_7b_in_12_gib_and_llama_13b_in_24_gib() -> None:
             dict(model="llama_9m", optimizer="galore_adamw", refresh_from="micro_batch"),
             "refresh_from='micro_batch' is a layer-wise option",
         ),
+        # What training refuses is not planned.
+        *[
+            (
+                dict(model="llama_9m", optimizer="adamw", dtype="int8", processes=2, distributed=strategy),
+                f"dtype int8 with distributed {strategy}: int8 weights train in one process",
+            )
+            for strategy in ("ddp", "zero1", "fsdp2")
+        ],
+        (
+            dict(model="llama_9m", optimizer="adamw", layerwise=True, processes=2, distributed="zero1"),
+            "layerwise with distributed zero1: DDP averages gradients after backward",
+        ),
+        (
+            dict(model="llama_9m", optimizer="adamw", gpu_memory_gib=float("inf")),
+            "gpu memory must be a finite positive number of GiB, got inf",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error(arguments: dict, message: str) -> None:
@@ -267,6 +283,17 @@ def test_cli_prints_the_breakdown_and_a_verdict(capsys) -> None:
     )
 
 
+def test_the_header_says_where_an_unnamed_rank_comes_from(capsys) -> None:
+    """APOLLO-Mini's rank 1 was called "the default: a quarter of the matrices' smaller side"."""
+    argv = ["memory", "--model", "llama_9m", "--vocab-size", "4096", "--optimizer"]
+    assert main([*argv, "apollo_mini"]) == 0
+    assert "optimizer apollo_mini rank 1 (apollo_mini's own)" in capsys.readouterr().out
+    assert main([*argv, "galore_adamw"]) == 0
+    assert "rank 32 (the default: a quarter of the matrices' smaller side)" in capsys.readouterr().out
+    assert main([*argv, "galore_adamw", "--rank", "16"]) == 0
+    assert "rank 16, " in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -278,6 +305,21 @@ def test_cli_prints_the_breakdown_and_a_verdict(capsys) -> None:
         (
             ["--model", "llama_9m", "--optimizer", "galore_adamw", "--refresh-from", "micro_batch"],
             "is a layer-wise option: set layerwise (--layerwise)",
+        ),
+        (
+            [
+                "--model",
+                "llama_9m",
+                "--optimizer",
+                "adamw",
+                "--dtype",
+                "int8",
+                "--processes",
+                "2",
+                "--distributed",
+                "fsdp2",
+            ],
+            "dtype int8 with distributed fsdp2: int8 weights train in one process",
         ),
     ],
 )

@@ -172,6 +172,52 @@ def test_quantize_weights_leaves_the_head_and_tied_weights_alone() -> None:
     assert not isinstance(tied.lm_head.weight, Int8Weight)
 
 
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_quantize_weights_leaves_empty_layers_and_the_models_own_head_alone() -> None:
+    """An empty layer raised ZeroDivisionError (no inputs) or gave a weight whose forward failed
+    (no outputs); the head was found by the name lm_head only."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.out = nn.Linear(16, 16), nn.Linear(16, 8)
+            self.no_inputs, self.no_outputs = nn.Linear(0, 4), nn.Linear(16, 0)
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.out
+
+    net = quantize_weights(Net(), "int8")
+    kinds = {name: type(p).__name__ for name, p in net.named_parameters() if name.endswith("weight")}
+    assert kinds == {
+        "body.weight": "Int8Weight",
+        "out.weight": "Parameter",
+        "no_inputs.weight": "Parameter",
+        "no_outputs.weight": "Parameter",
+    }
+    assert net.no_inputs(torch.zeros(2, 0)).shape == (2, 4)
+    assert net.no_outputs(torch.zeros(2, 16)).shape == (2, 0)
+    assert isinstance(quantize_weights(Net(), "int8", skip=()).out.weight, Int8Weight)
+
+
+def test_int8_weights_are_refused_where_processes_share_them(one_process_group) -> None:
+    """Several processes cannot share int8 weights: DDP's broadcast names it, slimopt's DDP and
+    ZeRO-1 helpers refuse them, and a model FSDP2 turned back to plain weights is refused by
+    build_optimizer instead of training as bf16 unnoticed."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = quantize_weights(tiny_llama(), "int8")
+    with pytest.raises(NotImplementedError, match="int8 weights train in one process"):
+        torch.nn.parallel.DistributedDataParallel(model)
+    with pytest.raises(ValueError, match=r"int8 weights \[.*\]: int8 weights train in one process"):
+        slimopt.distributed.zero_redundancy_optimizer(model, "adamw", lr=1e-3)
+    optimizer = slimopt.build_optimizer(model, "galore_adamw", lr=1e-3)
+    with pytest.raises(ValueError, match="int8 weights train in one process"):
+        slimopt.distributed.spread_refreshes(optimizer)
+    fully_shard(model)
+    with pytest.raises(ValueError, match="but holds a plain weight now: FSDP2 turns int8 weights into plain"):
+        slimopt.build_optimizer(model, "adamw", lr=1e-3)
+
+
 def test_bad_dtypes_and_block_sizes_name_the_choices() -> None:
     with pytest.raises(ValueError, match=r"unknown weight dtype 'int4'; valid: fp32, bf16, bf16\+8, int8"):
         quantize_weights(_mlp(), "int4")

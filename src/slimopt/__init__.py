@@ -27,7 +27,8 @@ from slimopt.optimizers import (
     GaLoreOptimizer,
     decoded_state,
 )
-from slimopt.registry import available_optimizers, build_optimizer, select_target_modules
+from slimopt.registry import available_optimizers, build_optimizer
+from slimopt.targets import select_target_modules
 from slimopt.weight_formats import export_weights, quantize_weights
 
 __all__ = [

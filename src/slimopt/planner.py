@@ -26,15 +26,18 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
+from slimopt.checks import number_error
 from slimopt.core.basis import is_basis_key
 from slimopt.core.weights import CORRECTION_KEY
 from slimopt.distributed import STRATEGIES as PROCESS_STRATEGIES
+from slimopt.distributed import strategy_error
 from slimopt.layerwise import check_refresh_from, layerwise
 from slimopt.memory import LiveBytes, storage_nbytes, storages
+from slimopt.meta_run import MetaRun
 from slimopt.process_memory import parameter_bytes, per_process
-from slimopt.registry import OPTIMIZERS, build_optimizer, projected_weights, resolve_name
+from slimopt.registry import OPTIMIZERS, build_optimizer, rank_origin, resolve_name
+from slimopt.targets import projected_weights
 from slimopt.weight_formats import optimizer_options, weight_dtype
 
 TERMS = (
@@ -93,7 +96,7 @@ class MemoryPlan:
             f"{s['model']} ({self.parameters / 1e9:.2f}B parameters, {s['dtype']} weights), "
             f"optimizer {s['optimizer']}"
             + (f" rank {s['rank']}" if s.get("rank") else "")
-            + (" (the default: a quarter of the matrices' smaller side)" if s.get("rank_defaulted") else "")
+            + (f" ({rank_origin(s['optimizer'], False)})" if s.get("rank_defaulted") else "")
             + (" layer-wise" if s["layerwise"] else "")
             + (" (refreshes from the first micro-batch)" if s["refresh_from"] == "micro_batch" else "")
             + f", {s['batch_size']}×{s['seq_len']} tokens × {s['accumulation_steps']} micro-batches"
@@ -213,8 +216,8 @@ def _setting(arguments: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{key.replace('_', ' ')} must be a positive integer, got {value!r}")
     setting["dtype"] = weight_dtype(setting["dtype"])
     gpu = setting["gpu_memory_gib"]
-    if gpu is not None and not gpu > 0:
-        raise ValueError(f"gpu memory must be a positive number of GiB, got {gpu!r}")
+    if gpu is not None and number_error("gpu memory", gpu, strict=True):
+        raise ValueError(f"gpu memory must be a finite positive number of GiB, got {gpu!r}")
     check_refresh_from(setting["refresh_from"], setting["layerwise"], "set layerwise (--layerwise)")
     rank = setting["rank"]
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0):
@@ -228,6 +231,10 @@ def _setting(arguments: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(
             f"{processes} processes: say how they share the work (distributed: ddp, zero1 or fsdp2)"
         )
+    error = strategy_error(strategy, weights=setting["dtype"], layerwise=setting["layerwise"])
+    if error is not None:  # what training refuses is not planned
+        what = f"dtype {setting['dtype']}" if error[0] == "weights" else "layerwise"
+        raise ValueError(f"{what} with distributed {strategy}: {error[1]}")
     return setting
 
 
@@ -293,7 +300,7 @@ def _run(
     step_peaks = []
     # One unit per micro-batch's forward and backward, and one per optimizer step.
     bar = _progress_bar(progress, STEPS * (k + 1), "measuring" if device.type != "meta" else "planning")
-    with tracker, _MetaRun(device):
+    with tracker, MetaRun(device):
         for step in range(1, STEPS + 1):
             position["step"] = step
             for _ in range(k):
@@ -436,60 +443,6 @@ def _window(tracker: LiveBytes, record: dict[str, int], key: str) -> Callable[[]
             tracker.window_peak = max(outer_window, tracker.window_peak)
 
     return window
-
-
-class _MetaRun(TorchFunctionMode):
-    """What the meta device needs to run a Hugging Face training step like a real device.
-
-    - ``scaled_dot_product_attention`` falls back to the math path on meta, which saves the whole
-      attention matrix; CPU and CUDA run a flash kernel that saves only the output and the
-      log-sum-exp. During a meta run the function is replaced by one that sends unmasked calls
-      to the flash kernel's meta version (replaced, not intercepted by this mode, because
-      activation checkpointing recomputes inside backward, where the mode is not active).
-    - A meta tensor has no values, so ``bool()`` of one cannot be known. The library's
-      data-dependent checks ask "is this input unusual?" (packed sequences, padding); the
-      planner's input is the usual kind, so they get True, the answer real data would give.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self.enabled = device.type == "meta"
-        self.attention = torch.nn.functional.scaled_dot_product_attention
-
-    def __enter__(self) -> _MetaRun:
-        if self.enabled:
-            torch.nn.functional.scaled_dot_product_attention = _flash_attention
-        return super().__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        torch.nn.functional.scaled_dot_product_attention = self.attention
-        super().__exit__(*exc)
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if self.enabled and func is Tensor.__bool__ and args[0].is_meta:
-            return True
-        return func(*args, **(kwargs or {}))
-
-
-def _flash_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Tensor:
-    if attn_mask is not None or not query.is_meta:
-        return torch._C._nn.scaled_dot_product_attention(
-            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-        )
-    if enable_gqa and key.shape[-3] != query.shape[-3]:
-        repeat = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    return flash(query, key, value, dropout_p, is_causal, scale=scale)[0]
 
 
 def plan_as_json(plan: MemoryPlan) -> str:

@@ -7,7 +7,6 @@ whose weights are projected are chosen with Hugging Face's ``optim_target_module
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -29,6 +28,12 @@ from slimopt.optimizers import (
 )
 from slimopt.options import PROJECTION_DEFAULTS
 from slimopt.sharding import split_by_rows
+from slimopt.targets import (
+    target_weight_ids,
+    warn_unknown_layouts,
+)
+from slimopt.weight_formats import lost_int8_weights
+from slimopt.weight_formats.int8 import INT8_ONE_PROCESS
 
 # Projection and storage options, with the type a text value (a flag, optim_args) is read as.
 OPTION_TYPES: dict[str, type] = {
@@ -121,10 +126,44 @@ HF_NAMES: dict[str, str] = {
 }
 
 
+# Hugging Face's defaults for the projection of its names (``Trainer``'s GaLore and APOLLO
+# setups), where they differ from slimopt's: a rank of 128 rather than a quarter of the
+# matrices' smaller side, and APOLLO's projection.
+HF_GALORE_DEFAULTS: dict[str, Any] = {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "galore_adamw": HF_GALORE_DEFAULTS,
+    "galore_adamw_8bit": HF_GALORE_DEFAULTS,
+    "galore_adafactor": HF_GALORE_DEFAULTS,
+    "apollo_adamw": {
+        **HF_GALORE_DEFAULTS,
+        "scale": 1.0,
+        "proj_method": "random",
+        "scale_type": "channel",
+    },
+}
+
+
+def hugging_face_defaults(name: str) -> dict[str, Any]:
+    """Hugging Face's defaults for the projection options of its optimizer name ``name``
+    (``rank``, ``update_proj_gap``, ``scale``, ``proj_type``; APOLLO's ``proj`` and
+    ``scale_type``), as ``Trainer`` passes them; none for a name that does not project."""
+    return dict(HF_DEFAULTS.get(name, {}))
+
+
 def available_optimizers() -> list[str]:
     """Return slimopt's names for the optimizers ``build_optimizer`` accepts (it also takes the
     Hugging Face names of ``HF_NAMES``)."""
     return list(OPTIMIZERS)
+
+
+def rank_origin(name: str, given: bool) -> str | None:
+    """Where the rank of optimizer ``name`` (slimopt's name) came from when the user gave none
+    (``given`` False): the name's own (APOLLO-Mini's 1), or ``default_rank``'s; None when given."""
+    if given:
+        return None
+    if OPTIMIZERS[name].rank is not None:
+        return f"{name}'s own"
+    return "the default: a quarter of the matrices' smaller side"
 
 
 def resolve_name(name: str) -> str:
@@ -139,110 +178,6 @@ def resolve_name(name: str) -> str:
     raise ValueError(
         f"unknown optimizer {name!r}; available: {', '.join(available_optimizers())} "
         f"(or Hugging Face's {', '.join(n for n in HF_NAMES if n not in OPTIMIZERS)})"
-    )
-
-
-def output_head(model: nn.Module) -> nn.Module | None:
-    """Return the model's output projection (``get_output_embeddings()`` or ``lm_head``), if any."""
-    getter = getattr(model, "get_output_embeddings", None)
-    head = getter() if callable(getter) else None
-    if isinstance(head, nn.Module):
-        return head
-    return getattr(model, "lm_head", None)
-
-
-def is_transposed_linear(module: nn.Module) -> bool:
-    """Whether ``module`` is Hugging Face's ``Conv1D`` (GPT-2 and its kin): a linear layer whose
-    weight is stored transposed, in × out. Recognized by name and layout, without importing
-    transformers."""
-    weight = getattr(module, "weight", None)
-    return (
-        type(module).__name__ == "Conv1D"
-        and hasattr(module, "nf")
-        and isinstance(weight, Tensor)
-        and weight.dim() == 2
-    )
-
-
-def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """The model's linear layers by name: ``nn.Linear`` and transformers' ``Conv1D``."""
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) or is_transposed_linear(module)
-    }
-
-
-def _matches(name: str, target_modules: str | list[str]) -> bool:
-    if isinstance(target_modules, str):
-        return re.fullmatch(target_modules, name) is not None
-    return any(key == name or key in name or re.fullmatch(key, name) for key in target_modules)
-
-
-def expert_weights(module: nn.Module) -> dict[str, Tensor]:
-    """The stacked expert weights of ``module`` by name: its own 3-D parameters (experts × rows
-    × columns, each expert a linear layer's matrix) when the module holds a mixture of experts'
-    experts (its class name says "Expert", as transformers' ``MixtralExperts`` and
-    ``Qwen2MoeExperts`` do), else none."""
-    if isinstance(module, nn.modules.conv._ConvNd) or "expert" not in type(module).__name__.lower():
-        return {}
-    return {name: p for name, p in module.named_parameters(recurse=False) if p.dim() == 3}
-
-
-def select_target_modules(model: nn.Module, target_modules: str | list[str] | None = None) -> list[str]:
-    """Return the names of the modules whose weights ``target_modules`` selects for projection:
-    linear layers (``nn.Linear``, transformers' ``Conv1D``) and modules of stacked expert weights
-    (``expert_weights``: each expert is projected as its own matrix).
-
-    ``None``: every linear layer except the output head (the attention and MLP projections of a
-    transformer) and every experts module. ``"all-linear"``: every linear layer and experts
-    module. A string: a regular expression that must match a module name in full. A list: module
-    names, substrings of names, or full-match regexes.
-    Raises ``ValueError`` when nothing is selected, or when an explicit selection names a module
-    with weights of 3 or more dimensions that are neither a convolution's nor stacked experts':
-    slimopt does not know their layout and would not flatten them silently.
-    """
-    linears = linear_layers(model)
-    experts = [name for name, module in model.named_modules() if expert_weights(module)]
-    candidates = list(linears) + experts
-    if target_modules is None:
-        head = output_head(model)
-        chosen = [name for name, module in linears.items() if module is not head] + experts
-        return chosen or _nothing(linears, None)
-    if isinstance(target_modules, str) and target_modules.replace("_", "-") == "all-linear":
-        return candidates or _nothing(linears, target_modules)
-    for name, module in model.named_modules():
-        if name in candidates or not _matches(name, target_modules):
-            continue
-        for param_name, param in module.named_parameters(recurse=False):
-            if param.dim() >= 3 and not isinstance(module, nn.modules.conv._ConvNd):
-                remedy = f"exclude {name!r} from" if name else "do not match the model itself (name '') in"
-                raise ValueError(
-                    f"target_modules={target_modules!r} selects {f'{name}.' if name else ''}{param_name} "
-                    f"of shape {tuple(param.shape)}, whose layout slimopt does not know (neither a "
-                    f"linear layer's, a convolution's nor stacked experts'); {remedy} target_modules"
-                )
-    chosen = [name for name in candidates if _matches(name, target_modules)]
-    return chosen or _nothing(linears, target_modules)
-
-
-def projected_weights(model: nn.Module, target_modules: str | list[str] | None = None) -> dict[str, Tensor]:
-    """The weights ``select_target_modules`` selects, by parameter name: a linear layer's
-    ``weight``, or an experts module's stacked 3-D weights."""
-    modules = dict(model.named_modules())
-    weights = {}
-    for name in select_target_modules(model, target_modules):
-        stacked = expert_weights(modules[name])
-        owned = stacked if stacked else {"weight": modules[name].weight}
-        weights |= {f"{name}.{key}": param for key, param in owned.items()}
-    return weights
-
-
-def _nothing(linears: dict[str, nn.Module], target_modules: str | list[str] | None) -> list[str]:
-    shown = ", ".join(list(linears)[:8]) + (", …" if len(linears) > 8 else "")
-    raise ValueError(
-        f"target_modules={target_modules!r} matches no linear module (nn.Linear or transformers "
-        f"Conv1D); linear modules of this model: {shown or 'none'}"
     )
 
 
@@ -284,31 +219,6 @@ FLIPPED_SIDES = {"left": "right", "right": "left"}
 ROW_SPLIT_PROJ_TYPE = "right"
 
 
-def _warn_unknown_layouts(model: nn.Module, params: dict[int, Tensor]) -> None:
-    """A ``UserWarning`` naming trainable tensors of three or more dimensions that are neither
-    convolution kernels nor stacked experts (``expert_weights``): a projecting optimizer keeps
-    their moments whole, unprojected, since it does not know their layout."""
-    known = {
-        id(p)
-        for m in model.modules()
-        for p in (m.parameters(recurse=False) if isinstance(m, nn.modules.conv._ConvNd) else [])
-    }
-    known |= {id(p) for m in model.modules() for p in expert_weights(m).values()}
-    names = [
-        f"{name} {tuple(p.shape)}"
-        for name, p in model.named_parameters()
-        if id(p) in params and p.dim() >= 3 and id(p) not in known
-    ]
-    if names:
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        warnings.warn(
-            f"{shown}: tensors of 3 or more dimensions that are neither convolution kernels nor "
-            "stacked experts are not projected (their layout is unknown); their moments are kept whole",
-            UserWarning,
-            stacklevel=3,
-        )
-
-
 def build_optimizer(
     model: nn.Module,
     name: str,
@@ -332,35 +242,32 @@ def build_optimizer(
     split the selected weights by rows and no ``proj_type`` is given, it is ``"right"`` (the
     basis on the unsplit side; ``describe`` says why).
     Remaining ``options`` (``weight_decay``, ``betas``, …) go to the optimizer class. Raises
-    ``ValueError`` for an unknown name, for projection options on an unprojected optimizer, or
-    for a target selection that matches nothing.
+    ``ValueError`` for an unknown name, for projection options on an unprojected optimizer, for
+    a target selection that matches nothing, or for int8 weights that FSDP2 turned into plain
+    ones (``slimopt.weight_formats.lost_int8_weights``).
     """
+    lost = lost_int8_weights(model)
+    if lost:
+        raise ValueError(
+            f"module {lost[0]!r} was made int8 (quantize_weights) but holds a plain weight now: FSDP2 "
+            f"turns int8 weights into plain ones; {INT8_ONE_PROCESS}"
+        )
+    if name not in OPTIMIZERS and name in HF_NAMES:  # Hugging Face's spelling: its defaults
+        options = {**hugging_face_defaults(name), **options}
+        rank = options.pop("rank", None) if rank is None else rank
     name = resolve_name(name)
     spec = OPTIMIZERS[name]
     if spec.cls is TACO:
         return _build_taco(model, lr=lr, rank=rank, target_modules=target_modules, **options)
-    if "experts" in options:
-        raise ValueError(
-            "experts is not an option of build_optimizer: it puts a mixture of experts' stacked "
-            "weights in their own group (projected_experts) with experts=True itself"
-        )
-    rank = spec.rank if rank is None else rank
-    asked = {key: options.pop(key) for key in list(options) if key in PROJECTION_DEFAULTS}
-    projection = {**dict(spec.options), **asked}  # the name's own options, unless given here
-    if not spec.projected and (rank is not None or target_modules is not None or projection):
-        given = ["rank"] * (rank is not None) + ["target_modules"] * (target_modules is not None)
-        raise ValueError(
-            f"optimizer {name!r} does not project gradients; remove {', '.join(given + list(projection))} "
-            f"or choose one of: {', '.join(n for n, s in OPTIMIZERS.items() if s.projected)}"
-        )
+    rank, projection = _projection_asked(name, rank, target_modules, options)
     # model.parameters() yields a tied parameter (an embedding shared with the output head) once.
     params = {id(p): p for p in model.parameters() if p.requires_grad}
     projected_ids: set[int] = set()
     transposed_ids: set[int] = set()
     expert_ids: set[int] = set()
     if spec.projected:
-        projected_ids, transposed_ids, expert_ids = _target_weight_ids(model, target_modules)
-        _warn_unknown_layouts(model, params)
+        projected_ids, transposed_ids, expert_ids = target_weight_ids(model, target_modules)
+        warn_unknown_layouts(model, params)
     projected = [p for i, p in params.items() if i in projected_ids]
     # Each expert is a matrix of its own: the rank and the savings are the experts'.
     matrices = [m for p in projected for m in (p.detach().unbind(0) if id(p) in expert_ids else [p])]
@@ -391,6 +298,31 @@ def build_optimizer(
     return spec.cls([g for g in groups if g["params"]], lr=lr, **options)
 
 
+def _projection_asked(
+    name: str, rank: int | None, target_modules: str | list[str] | None, options: dict[str, Any]
+) -> tuple[int | None, dict[str, Any]]:
+    """The rank (None: ``default_rank``'s) and projection options of ``build_optimizer(model,
+    name)``: those given, else the name's own (APOLLO-Mini's). Takes the projection options out
+    of ``options``; raises ``ValueError`` for them, a rank or target modules on an optimizer
+    that does not project, and for ``experts``, which ``build_optimizer`` sets itself."""
+    spec = OPTIMIZERS[name]
+    if "experts" in options:
+        raise ValueError(
+            "experts is not an option of build_optimizer: it puts a mixture of experts' stacked "
+            "weights in their own group (projected_experts) with experts=True itself"
+        )
+    rank = spec.rank if rank is None else rank
+    asked = {key: options.pop(key) for key in list(options) if key in PROJECTION_DEFAULTS}
+    projection = {**dict(spec.options), **asked}  # the name's own options, unless given here
+    if not spec.projected and (rank is not None or target_modules is not None or projection):
+        given = ["rank"] * (rank is not None) + ["target_modules"] * (target_modules is not None)
+        raise ValueError(
+            f"optimizer {name!r} does not project gradients; remove {', '.join(given + list(projection))} "
+            f"or choose one of: {', '.join(n for n, s in OPTIMIZERS.items() if s.projected)}"
+        )
+    return rank, projection
+
+
 def _choose_side(projection: dict[str, Any], projected: list[Tensor]) -> str | None:
     """Set ``projection``'s ``proj_type`` where weights FSDP2 splits by rows need one, and return
     the side a transposed (``Conv1D``) weight takes instead of a named one (None: the same).
@@ -403,28 +335,6 @@ def _choose_side(projection: dict[str, Any], projected: list[Tensor]) -> str | N
         projection["proj_type"] = ROW_SPLIT_PROJ_TYPE
         return None
     return FLIPPED_SIDES.get(projection.get("proj_type", ""))
-
-
-def _target_weight_ids(
-    model: nn.Module, target_modules: str | list[str] | None
-) -> tuple[set[int], set[int], set[int]]:
-    """The ids of the trainable weights ``select_target_modules`` selects, and of those among
-    them in ``Conv1D``'s in × out layout and of stacked experts."""
-    modules = dict(model.named_modules())
-    selected: set[int] = set()
-    transposed: set[int] = set()
-    experts: set[int] = set()
-    for module_name in select_target_modules(model, target_modules):
-        module = modules[module_name]
-        stacked = expert_weights(module)
-        for weight in stacked.values() if stacked else [module.weight]:
-            if weight.requires_grad:
-                selected.add(id(weight))
-                if stacked:
-                    experts.add(id(weight))
-                elif is_transposed_linear(module):
-                    transposed.add(id(weight))
-    return selected, transposed, experts
 
 
 def _build_taco(
@@ -451,7 +361,7 @@ def _build_taco(
             raise ValueError(errors[0])
         fallback["lr"] = float(fallback_lr)
     params = {id(p): p for p in model.parameters() if p.requires_grad}
-    targets, transposed_ids, expert_ids = _target_weight_ids(model, target_modules)
+    targets, transposed_ids, expert_ids = target_weight_ids(model, target_modules)
     chosen = targets - expert_ids  # stacked experts take the fallback
     linear = [p for i, p in params.items() if i in chosen and i not in transposed_ids]
     transposed = [p for i, p in params.items() if i in transposed_ids]

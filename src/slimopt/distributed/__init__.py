@@ -28,9 +28,37 @@ import torch
 from torch import nn
 
 from slimopt.sharding import initialized, split_by_rows
+from slimopt.weight_formats.int8 import INT8_ONE_PROCESS, Int8Weight
 
 # How a multi-process run shares the work (``slimopt train --distributed``, ``slimopt memory``).
 STRATEGIES = ("ddp", "zero1", "fsdp2")
+
+
+def strategy_error(
+    strategy: str | None, *, weights: str = "fp32", layerwise: bool = False
+) -> tuple[str, str] | None:
+    """The setting ("weights" or "layerwise") that processes sharing a run by ``strategy`` (None:
+    one process) cannot train with, and why; None when they can. ``weights`` is a
+    ``slimopt.weight_formats`` dtype. What ``slimopt train`` refuses, ``slimopt memory`` does not
+    plan."""
+    if strategy is None:
+        return None
+    if weights == "int8":
+        return "weights", INT8_ONE_PROCESS
+    if layerwise and strategy in ("ddp", "zero1"):
+        return "layerwise", (
+            "DDP averages gradients after backward, so layer-wise updates would see unaveraged "
+            "ones; use fsdp2"
+        )
+    return None
+    if weights == "int8":
+        return f"int8 weights with {strategy}: {INT8_ONE_PROCESS}"
+    if layerwise and strategy in ("ddp", "zero1"):
+        return (
+            f"layer-wise updates with {strategy}: DDP averages gradients after backward, so "
+            "layer-wise updates would see unaveraged ones; use fsdp2"
+        )
+    return None
 
 
 def spread_refreshes(optimizer: Any, group: Any = None) -> None:
@@ -41,13 +69,15 @@ def spread_refreshes(optimizer: Any, group: Any = None) -> None:
 
     Raises ``TypeError`` for an optimizer that is not slimopt's, ``RuntimeError`` outside a
     process group, and ``ValueError`` for parameters FSDP2 splits (their refreshes are already
-    shared: each process sketches its own rows)."""
+    shared: each process sketches its own rows) and for int8 weights (they train in one
+    process)."""
     from slimopt.optimizers import GaLoreOptimizer
 
     if not isinstance(optimizer, GaLoreOptimizer):
         raise TypeError(f"spread_refreshes needs a slimopt optimizer, got {type(optimizer).__name__}")
     if not initialized():
         raise RuntimeError("spread_refreshes needs a torch.distributed process group (torchrun)")
+    _refuse_int8(p for g in optimizer.param_groups for p in g["params"])
     split = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if split_by_rows(p)]
     if split:
         raise ValueError(
@@ -64,12 +94,13 @@ def zero_redundancy_optimizer(model: nn.Module, name: str, *, lr: float | None, 
 
     Every parameter is stamped with its place in the whole model first, so random draws and
     refresh staggering do not depend on which process owns it. Raises what ``build_optimizer``
-    raises."""
+    raises, and ``ValueError`` for int8 weights (they train in one process)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from slimopt.core.units import IDENTITY
     from slimopt.registry import OPTIMIZERS, build_optimizer, resolve_name
 
+    _refuse_int8(model.parameters())
     whole = build_optimizer(model, name, lr=lr, **options)  # no state yet: groups and places only
     for param, identity in whole.places().items():
         setattr(param, IDENTITY, identity)
@@ -85,3 +116,10 @@ def __getattr__(name: str) -> Any:
     if name == "checkpoint":
         return importlib.import_module("slimopt.distributed.checkpoint")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _refuse_int8(params: Any) -> None:
+    """Raise ``ValueError`` when any of ``params`` is an int8 weight (``slimopt.weight_formats``)."""
+    shapes = [tuple(p.shape) for p in params if isinstance(p, Int8Weight)]
+    if shapes:
+        raise ValueError(f"int8 weights {shapes[:3]}: {INT8_ONE_PROCESS}")

@@ -11,6 +11,13 @@ is ``proj_method``. A name ending in
 (``max_grad_norm``, per tensor) all work, where Hugging Face's own layer-wise GaLore refuses
 accumulation and makes clipping a no-op.
 
+A name from ``TrainingArguments.optim``, or Hugging Face's spelling of one
+(``galore_adamw_8bit``), takes Hugging Face's defaults for what ``optim_args`` leaves out
+(``registry.hugging_face_defaults``: rank 128, ``update_proj_gap`` 200, ``scale`` 0.25, or 1.0
+and a random projection for APOLLO), so that swapping ``Trainer`` for ``SlimoptTrainer`` trains
+the same configuration; slimopt's own names passed as ``optimizer_name`` keep slimopt's (a rank
+of a quarter of the matrices' smaller side).
+
 Unlike Hugging Face, an ``optim_target_modules`` that matches no module is an error, never a
 silently unprojected model; for a projecting optimizer without ``optim_target_modules`` the
 attention and MLP linear layers are projected (every linear layer but the output head).
@@ -32,6 +39,7 @@ from slimopt.registry import (
     ROW_SPLIT_PROJ_TYPE,
     available_optimizers,
     build_optimizer,
+    hugging_face_defaults,
     parse_option,
     resolve_name,
 )
@@ -121,8 +129,13 @@ def create_optimizer(
     value, or an ``optim_target_modules`` that matches nothing or is given to an optimizer that
     does not project.
     """
-    base, _ = split_name(trainer_optimizer_name(args, name))
+    spelled = trainer_optimizer_name(args, name)
+    base, _ = split_name(spelled)
     options = parse_optim_args(getattr(args, "optim_args", None))
+    plain = spelled.removesuffix(LAYERWISE_SUFFIX)
+    from_args = spelled == getattr(args.optim, "value", args.optim)  # TrainingArguments.optim's
+    if from_args or plain not in OPTIMIZERS:  # Hugging Face's name: Hugging Face's defaults
+        options = {**hugging_face_defaults(plain), **options}
     if rows_split and OPTIMIZERS[base].projected:
         options.setdefault("proj_type", ROW_SPLIT_PROJ_TYPE)
     hyper: dict[str, Any] = {"weight_decay": args.weight_decay}

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from slimopt.checks import beyond_float32, number
-from slimopt.distributed import STRATEGIES
+from slimopt.distributed import STRATEGIES, strategy_error
 from slimopt.layerwise import check_refresh_from
 from slimopt.train.rundir import default_out
 from slimopt.weight_formats import optimizer_options, weight_dtype
@@ -46,7 +46,8 @@ class TrainConfig:
     dtype: str = "fp32"  # how the weights are stored: fp32, bf16, bf16+8 or int8 (slimopt.weight_formats)
     checkpointing: bool = False
     layerwise: bool = False  # update each parameter inside backward (slimopt.layerwise)
-    distributed: str | None = None  # under torchrun: ddp (its default), zero1 or fsdp2; none: one process
+    # Under torchrun: ddp (the default with several processes), zero1 or fsdp2; "none": one process.
+    distributed: str | None = None
     refresh_from: str = "step"  # layer-wise: a refresh sees the step's gradient or its first micro-batch's
     validation_fraction: float = 0.05
     max_documents: int | None = None
@@ -78,25 +79,28 @@ class TrainConfig:
         check_refresh_from(self.refresh_from, self.layerwise, "add --layerwise")
         self.dtype = weight_dtype(self.dtype)
         optimizer_options(self.dtype, self.optimizer_options)  # raises on a contradiction
-        if self.distributed == "none":
-            self.distributed = None
-        if self.distributed is not None and self.distributed not in STRATEGIES:
+        if self.distributed is not None and self.distributed not in ("none", *STRATEGIES):
             valid = ", ".join(("none", *STRATEGIES))
             raise ValueError(f"unknown --distributed {self.distributed!r}; valid: {valid}")
-        if self.layerwise and self.distributed in ("ddp", "zero1"):
-            raise ValueError(
-                f"--layerwise with --distributed {self.distributed}: DDP averages gradients after "
-                "backward, so layer-wise updates would see unaveraged ones; use --distributed fsdp2"
-            )
-        if self.dtype == "int8" and self.distributed is not None:
-            raise ValueError(
-                f"--dtype int8 with --distributed {self.distributed}: int8 weights train in one "
-                "process; use --dtype bf16+8 or bf16 with several"
-            )
+        if self.distributed in STRATEGIES:
+            self.check_strategy(self.distributed)
         if self.resume and not Path(self.resume).is_dir():
             raise ValueError(f"resume directory {self.resume!r} does not exist")
         if self.out is None:
             self.out = str(default_out(f"{Path(self.model).name}-{self.optimizer}"))
+
+    def check_strategy(self, strategy: str | None, processes: int | None = None) -> None:
+        """Raise ``ValueError`` when this run cannot train with ``processes`` processes sharing
+        it by ``strategy`` (None: one process; ``processes`` None: as many as ``--distributed``
+        may start), naming the flags that chose them."""
+        error = strategy_error(strategy, weights=self.dtype, layerwise=self.layerwise)
+        if error is not None:
+            setting, reason = error
+            flag = f"--dtype {self.dtype}" if setting == "weights" else "--layerwise"
+            how = f"--distributed {strategy}"
+            if processes is not None:
+                how = f"{processes} processes under torchrun ({strategy})"
+            raise ValueError(f"{flag} with {how}: {reason}")
 
     def optimizer_settings(self) -> dict[str, Any]:
         """The optimizer's options: ``optimizer_options`` and what the weights' dtype needs."""

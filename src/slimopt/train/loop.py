@@ -29,7 +29,7 @@ from slimopt.describe import describe as describe_optimizer
 from slimopt.files import write_atomically
 from slimopt.layerwise import layerwise
 from slimopt.memory import LiveBytes, state_nbytes, state_tensors
-from slimopt.registry import OPTIMIZERS
+from slimopt.registry import rank_origin
 from slimopt.sharding import barrier, from_first, local_view
 from slimopt.train import metrics, models
 from slimopt.train.checkpoint import checkpoint_to_resume, load_resumed, save_checkpoint
@@ -177,6 +177,7 @@ class _Run:
 def _prepare(config: TrainConfig, parallel: Parallel, data: Data | None) -> _Run:
     """Check the run directory and the checkpoint to resume from, then build the data, model,
     optimizer and schedule and load the checkpoint. Writes nothing; raises what ``train`` does."""
+    config.check_strategy(parallel.strategy, parallel.world)
     config.micro_batches(parallel.world)
     config.out = from_first(config.out)  # a default name holds the time: the first process's
     out = Path(config.out)
@@ -459,8 +460,5 @@ def _rank_note(optimizer: torch.optim.Optimizer, config: TrainConfig) -> str:
     ranks = [group["rank"] for group in optimizer.param_groups if "rank" in group]
     if not ranks:
         return ""
-    if "rank" in config.optimizer_options:
-        return f" (rank {ranks[0]})"
-    if OPTIMIZERS[config.optimizer].rank is not None:
-        return f" (rank {ranks[0]}, {config.optimizer}'s own)"
-    return f" (rank {ranks[0]}, the default: a quarter of the matrices' smaller side)"
+    origin = rank_origin(config.optimizer, given="rank" in config.optimizer_options)
+    return f" (rank {ranks[0]})" if origin is None else f" (rank {ranks[0]}, {origin})"

@@ -123,19 +123,25 @@ class Parallel:
 def start_run(strategy: str | None, device_name: str) -> Parallel:
     """Join the process group ``torchrun`` describes in the environment, or stay one process.
 
-    Under torchrun with more than one process the strategy defaults to DDP. Raises
-    ``ValueError`` for an unknown strategy, or one asked for outside torchrun."""
-    if strategy is not None and strategy not in STRATEGIES:
-        raise ValueError(f"unknown --distributed {strategy!r}; valid: {', '.join(STRATEGIES)}")
+    Under torchrun with more than one process the strategy defaults to DDP; "none" is one
+    process. Raises ``ValueError`` for an unknown strategy, one asked for outside torchrun, and
+    "none" under torchrun with several processes (each would train the whole run alone)."""
+    if strategy is not None and strategy not in ("none", *STRATEGIES):
+        raise ValueError(f"unknown --distributed {strategy!r}; valid: none, {', '.join(STRATEGIES)}")
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
-    if not launched:
-        if strategy is not None:
+    world = int(os.environ["WORLD_SIZE"]) if launched else 1
+    if strategy == "none" and world > 1:
+        raise ValueError(
+            f"--distributed none trains in one process, but torchrun started {world}: run slimopt "
+            "train without torchrun, or choose --distributed ddp, zero1 or fsdp2"
+        )
+    if not launched or strategy == "none":
+        if strategy not in (None, "none"):
             raise ValueError(
                 f"--distributed {strategy} runs under torchrun: torchrun --nproc_per_node N -m slimopt.cli "
                 "train ... (or --distributed none for one process)"
             )
         return Parallel()
-    world = int(os.environ["WORLD_SIZE"])
     if world == 1 and strategy is None:
         return Parallel()
     cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from slimopt.targets import output_head
 from slimopt.weight_formats.int8 import BLOCK_SIZE, Int8Weight, dequantize
 
 WEIGHT_DTYPES = ("fp32", "bf16", "bf16+8", "int8")
@@ -36,7 +37,6 @@ OPTIMIZER_OPTIONS: dict[str, dict[str, Any]] = {
     "bf16+8": {"param_rounding": "corrected"},
     "int8": {"param_rounding": "stochastic"},
 }
-SKIPPED_BY_DEFAULT = ("lm_head",)
 CODES, SCALES = "weight_codes", "weight_scales"
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "Int8Weight",
     "dequantized_state_dict",
     "export_weights",
+    "lost_int8_weights",
     "optimizer_options",
     "quantize_weights",
     "weight_dtype",
@@ -78,15 +79,17 @@ def quantize_weights(
     dtype: str = "int8",
     *,
     block_size: int = BLOCK_SIZE,
-    skip: Iterable[str] = SKIPPED_BY_DEFAULT,
+    skip: Iterable[str] | None = None,
 ) -> nn.Module:
     """Store ``model``'s weights in ``dtype`` (``WEIGHT_DTYPES``), in place; returns ``model``.
 
     "fp32" and "bf16" cast every floating-point parameter and buffer. "int8" casts the model to
     bf16 (unless it is fp32 or bf16 already) and stores every ``nn.Linear`` weight as an
-    ``Int8Weight`` with scales per ``block_size`` columns, except modules whose name ends with
-    one of ``skip`` (the output head, by default) and weights shared with another module (a
-    tied embedding); they stay as they are. "bf16+8" raises: its correction is the optimizer's
+    ``Int8Weight`` with scales per ``block_size`` columns, except the modules ``skip`` names
+    (those whose name is one of it or ends with ``.`` and one of it; None: the output head, the
+    model's ``get_output_embeddings()`` or else its ``lm_head``), weights shared with
+    another module (a tied embedding) and empty weights (a layer without inputs or outputs);
+    they stay as they are. "bf16+8" raises: its correction is the optimizer's
     state (cast to bf16 and build the optimizer with ``param_rounding="corrected"``).
     Raises ``ValueError`` naming a bad dtype or block size, or a model already in int8 asked
     for another dtype.
@@ -109,14 +112,17 @@ def quantize_weights(
     ):
         model.to(torch.bfloat16)
     shared = _shared_parameters(model)
-    skip = tuple(skip)
+    head = output_head(model) if skip is None else None
+    names = tuple(skip or ())
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if (
             type(module) is not nn.Linear
+            or module is head
             or isinstance(weight, Int8Weight)
             or id(weight) in shared
-            or any(name == s or name.endswith("." + s) for s in skip)
+            or weight.numel() == 0
+            or any(name == s or name.endswith("." + s) for s in names)
         ):
             continue
         module.weight = nn.Parameter(
@@ -125,6 +131,18 @@ def quantize_weights(
         module.register_state_dict_post_hook(_save_codes)
         module.register_load_state_dict_pre_hook(_load_codes)
     return model
+
+
+def lost_int8_weights(model: nn.Module) -> list[str]:
+    """The modules of ``model`` that ``quantize_weights`` made int8 but whose weight is a plain
+    tensor now: FSDP2's ``fully_shard`` gathers and re-splits weights as plain tensors, so an
+    int8 model it wraps trains as a bf16 one."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if _save_codes in module._state_dict_hooks.values()
+        and not isinstance(getattr(module, "weight", None), Int8Weight)
+    ]
 
 
 def _shared_parameters(model: nn.Module) -> set[int]:

@@ -31,6 +31,13 @@ from torch.utils._pytree import tree_map
 from slimopt.codecs.draws import floor_stochastically_
 
 CODE_MAX = 127
+# Why several processes cannot share int8 weights, and the way out: DDP broadcasts and buckets
+# parameters as flat plain tensors, and FSDP2 gathers row shards of them, neither of which an
+# int8 weight's codes and block scales are.
+INT8_ONE_PROCESS = (
+    "int8 weights train in one process (DDP, ZeRO-1 and FSDP2 move parameters as plain tensors); "
+    "with several processes use bf16+8 or bf16 weights"
+)
 BLOCK_SIZE = 256
 HEADROOM = 9 / 8
 aten = torch.ops.aten
@@ -205,8 +212,9 @@ def _slice(func: Any, args: tuple, kwargs: dict) -> Int8Weight:
 def _view(func: Any, args: tuple, kwargs: dict) -> Int8Weight:
     weight, shape = args[0], torch.Size(args[1])
     if shape != weight.shape:
+        flat = f" ({INT8_ONE_PROCESS})" if len(shape) == 1 else ""  # DDP flattens to broadcast
         raise NotImplementedError(
-            f"an int8 weight of shape {tuple(weight.shape)} has no view as {tuple(shape)}"
+            f"an int8 weight of shape {tuple(weight.shape)} has no view as {tuple(shape)}{flat}"
         )
     return _wrap(
         func, args, kwargs, weight.codes.view(shape), weight.scales.view(weight.scales.shape), weight.dtype
