@@ -509,6 +509,65 @@ def test_torchrun_trains_like_one_process_and_resumes(workspace: Path, tmp_path:
         (["--layerwise"], "--layerwise with 2 processes under torchrun (ddp): DDP averages gradients"),
     ],
 )
+def _saved_optimizer(out: Path, step: int) -> dict:
+    return torch.load(out / "checkpoints" / f"step-{step:08d}" / "optimizer.pt", weights_only=True)
+
+
+def test_resume_with_another_dtype_trains_as_it_says(workspace: Path, tmp_path: Path, capsys) -> None:
+    """bf16 to bf16+8 on resume announced bf16+8 and wrote it to config.json but trained with no
+    correction (param_rounding came back from the checkpoint); the reverse kept correcting. Now
+    the correction starts at zero, or is dropped. int8 to bf16 blamed an intact checkpoint
+    ("from another model") and sent the user to an older one; it names --dtype now."""
+    out = tmp_path / "run"
+    assert (
+        main(["train", "--steps", "4", "--save-every", "2", "--dtype", "bf16", *run_args(workspace, out)])
+        == 0
+    )
+    assert main(["train", "--resume", str(out), "--steps", "6", "--dtype", "bf16+8"]) == 0
+    saved = _saved_optimizer(out, 6)
+    assert {group["param_rounding"] for group in saved["param_groups"]} == {"corrected"}
+    assert any(state["weight_correction"].any() for state in saved["state"].values())
+    assert main(["train", "--resume", str(out), "--steps", "8", "--dtype", "bf16"]) == 0
+    saved = _saved_optimizer(out, 8)
+    assert {group["param_rounding"] for group in saved["param_groups"]} == {"nearest"}
+    assert not any("weight_correction" in state for state in saved["state"].values())
+    int8 = tmp_path / "int8"
+    assert (
+        main(["train", "--steps", "4", "--save-every", "2", "--dtype", "int8", *run_args(workspace, int8)])
+        == 0
+    )
+    capsys.readouterr()
+    assert main(["train", "--resume", str(int8), "--steps", "6", "--dtype", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "holds int8 weights and this run's are bf16" in err and "resume with --dtype int8" in err
+    assert "intact" not in err and err.count("\n") == 1
+    assert json.loads((int8 / "config.json").read_text())["dtype"] == "int8"
+
+
+def test_options_given_again_on_resume_apply(workspace: Path, tmp_path: Path) -> None:
+    """--lr and --weight-decay given on resume were written to config.json and ignored: the
+    checkpoint's groups and the schedule's peak rates came back with it."""
+    first = tmp_path / "first"
+    argv = [
+        "train",
+        "--steps",
+        "4",
+        "--save-every",
+        "2",
+        "--weight-decay",
+        "0.1",
+        *run_args(workspace, first),
+    ]
+    assert main(argv) == 0
+    again = tmp_path / "again"
+    checkpoint = first / "checkpoints" / "step-00000002"
+    resumed = ["train", "--resume", str(checkpoint), "--steps", "4", "--lr", "0.02", "--weight-decay", "0"]
+    assert main([*resumed, "--out", str(again)]) == 0
+    assert [r["lr"] for r in metrics(again)] == [2 * r["lr"] for r in metrics(first)[2:]]
+    assert {group["weight_decay"] for group in _saved_optimizer(again, 4)["param_groups"]} == {0.0}
+    assert {group["weight_decay"] for group in _saved_optimizer(first, 4)["param_groups"]} == {0.1, 0.0}
+
+
 def test_what_torchruns_default_ddp_cannot_train_is_refused(
     flags, message, workspace: Path, tmp_path: Path, capsys, monkeypatch
 ) -> None:

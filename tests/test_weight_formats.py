@@ -372,6 +372,31 @@ def test_a_resumed_run_equals_an_unbroken_one_bit_for_bit(name: str, dtype: str)
         assert corrections and any(c.any() for c in corrections)
 
 
+def test_param_rounding_is_the_loading_optimizers_own() -> None:
+    """How weights are rounded belongs to the weights the optimizer was built for, as a moment's
+    storage does: a state dict with a correction loads into an optimizer without one (dropped),
+    and one without into an optimizer that corrects (started at zero: the weights hold exactly
+    their values). The checkpoint's param_rounding used to come back with it."""
+
+    def build(rounding: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = tiny_llama()
+        return model, slimopt.build_optimizer(model, "adamw", lr=3e-3, param_rounding=rounding)
+
+    model, corrected = build("corrected")
+    train_language_model(model, corrected, range(2))
+    _, nearest = build("nearest")
+    nearest.load_state_dict(corrected.state_dict())
+    assert {group["param_rounding"] for group in nearest.param_groups} == {"nearest"}
+    assert not any("weight_correction" in state for state in nearest.state.values())
+    again_model, again = build("corrected")
+    again.load_state_dict(nearest.state_dict())
+    assert {group["param_rounding"] for group in again.param_groups} == {"corrected"}
+    before = [p.detach().clone() for p in again_model.parameters()]
+    train_language_model(again_model, again, range(2, 3))
+    assert all("weight_correction" in state for state in again.state.values())
+    assert any(not torch.equal(a, b) for a, b in zip(before, again_model.parameters(), strict=True))
+
+
 def test_corrected_bf16_follows_fp32_weights_closer_than_bf16() -> None:
     """AdamW at a small rate from the same (bf16) start: bf16 weights to nearest drift from the
     fp32 run, bf16 with the 8-bit correction stay within a small fraction of the distance moved

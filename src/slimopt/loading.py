@@ -6,7 +6,10 @@ it. Two kinds of state dict are converted on the way in:
 - **Another storage format.** A moment's format is the loading optimizer's choice (``states``,
   ``block_size``, ``basis_states`` of its groups), not the checkpoint's: moments and bases saved
   in another format are decoded and re-encoded, so an ``AdamW8bit`` that loads a ``GaLoreAdamW``
-  checkpoint keeps int8 moments (switching format mid-run).
+  checkpoint keeps int8 moments (switching format mid-run). So is how the weights are rounded
+  (``param_rounding``), which belongs to the weights the optimizer was built for: an optimizer
+  of bf16 weights with an 8-bit correction that loads a state dict without one starts it at
+  zero (the weights are exactly what they hold), and one without drops a saved correction.
 - **torch.optim.AdamW / Adam.** Its fp32 moments and step counts become the loading
   optimizer's (in its storage format), so a run can switch from ``torch.optim.AdamW`` to a
   slimopt optimizer. Full-size moments have no exact counterpart in a rank-r subspace, so a
@@ -37,6 +40,9 @@ from slimopt.earlier_layouts import carried_over
 GaLoreOptimizer = Any
 
 STORAGE_KEYS = ("states", "block_size", "basis_states")
+# Group options a state dict never brings: how this optimizer runs here (``fused``: on this
+# device and compiler) and how the weights it was built for are rounded (``param_rounding``).
+OWN_KEYS = ("fused", "param_rounding")
 # Group keys of torch.optim.Adam/AdamW that slimopt has no use for (amsgrad, maximize and
 # differentiable set to True are refused first).
 TORCH_ADAM_ONLY = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
@@ -56,14 +62,16 @@ def is_slimopt_state_dict(state_dict: dict[str, Any]) -> bool:
 def prepared(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` as ``optimizer.load_state_dict`` loads it: checked for its groups and
     layout (``ValueError`` otherwise), torch.optim.AdamW's converted, options newer than it
-    filled in, counters as integers, and each group's ``fused`` the optimizer's own (how it
-    runs here, on this device and compiler, is not a setting of the run)."""
+    filled in, counters as integers, and each group's ``OWN_KEYS`` the optimizer's own."""
     check_groups(optimizer, state_dict)
     if not is_slimopt_state_dict(state_dict):
         state_dict = from_torch_adam(optimizer, state_dict)
     state_dict = integer_counters(fill_new_options(optimizer, state_dict))
     groups = zip(state_dict["param_groups"], optimizer.param_groups, strict=True)
-    state_dict = {**state_dict, "param_groups": [{**saved, "fused": own["fused"]} for saved, own in groups]}
+    state_dict = {
+        **state_dict,
+        "param_groups": [{**saved, **{key: own[key] for key in OWN_KEYS}} for saved, own in groups],
+    }
     check_layout(optimizer, state_dict)
     return carried_over(optimizer, state_dict)
 
@@ -253,6 +261,18 @@ def check_layout(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None
                 )
 
 
+def drop_corrections(optimizer: GaLoreOptimizer) -> None:
+    """Remove the weight corrections loaded for parameters of groups that keep none (their
+    ``param_rounding`` is not "corrected"): the weights keep their own values."""
+    for group in optimizer.param_groups:
+        if group["param_rounding"] == "corrected":
+            continue
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key in [key for key in state if _root(key) == CORRECTION_KEY]:
+                del state[key]
+
+
 def restore_storage(optimizer: GaLoreOptimizer, storage: list[dict[str, Any]]) -> None:
     """Re-encode the loaded moments and bases of each group whose storage differs from
     ``storage`` (the loading optimizer's own choice per group), and adopt that storage."""
@@ -304,6 +324,7 @@ def load_state_dict(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> N
             if isinstance(value, Tensor):
                 optimizer.state[param][key] = value.to(device=param.device, copy=True)
     optimizer.replan()
+    drop_corrections(optimizer)
     restore_storage(optimizer, storage)
     for hook in optimizer._optimizer_load_state_dict_post_hooks.values():
         hook(optimizer)

@@ -257,7 +257,7 @@ class _OptimizerLoad:
         correction = moments.pop(CORRECTION_KEY, None)
         optimizer.store_moments(param, moments)
         optimizer.state[param]["moment_step"] = moment_step
-        if correction is not None:
+        if correction is not None and optimizer.plan_of(param).corrects_weights:
             optimizer.state[param][CORRECTION_KEY] = correction
 
 

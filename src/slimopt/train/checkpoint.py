@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from slimopt.files import move_into_place
+from slimopt.weight_formats import stored_dtype
 
 MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "optimizer.pt", "trainer.pt")
@@ -37,6 +38,10 @@ PREFIX = "step-"
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete, corrupt or from another model."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint whose files are missing, truncated or altered: an older one may be intact."""
 
 
 class CheckpointWriteError(RuntimeError):
@@ -190,10 +195,11 @@ def checkpoint_to_resume(resume: str | Path, steps: int, *, continues_its_run: b
 
 def load_resumed(checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``load_checkpoint``, whose error also names the newest intact checkpoint older than a
-    damaged ``checkpoint``, to resume from instead."""
+    damaged ``checkpoint``, to resume from instead (one that does not fit the run is not
+    damaged: an older one of the same run would not fit either)."""
     try:
         return load_checkpoint(checkpoint, model, optimizer)
-    except CheckpointError as error:
+    except CheckpointDamaged as error:
         older = newest_intact(checkpoint.parent, before=checkpoint)
         if older is None:
             raise
@@ -201,24 +207,24 @@ def load_resumed(checkpoint: Path, model: nn.Module, optimizer: torch.optim.Opti
 
 
 def verify_checkpoint(path: str | Path) -> None:
-    """Raise ``CheckpointError`` unless every file of the checkpoint at ``path`` is present and
-    matches the size and SHA-256 its manifest records."""
+    """Raise ``CheckpointDamaged`` unless every file of the checkpoint at ``path`` is present
+    and matches the size and SHA-256 its manifest records."""
     path = Path(path)
     manifest_path = path / MANIFEST
     if not manifest_path.exists():
-        raise CheckpointError(f"{path} is not a complete checkpoint: {MANIFEST} is missing")
+        raise CheckpointDamaged(f"{path} is not a complete checkpoint: {MANIFEST} is missing")
     try:
         manifest = json.loads(manifest_path.read_text())
         expected = manifest["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{manifest_path} is corrupt: {error}") from error
+        raise CheckpointDamaged(f"{manifest_path} is corrupt: {error}") from error
     required = SHARDED_FILES if manifest.get("layout") == SHARDED else FILES
     for name in sorted({*required, *expected}):
         file = path / name
         if not file.exists():
-            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+            raise CheckpointDamaged(f"checkpoint {path} is incomplete: {name} is missing")
         if _describe(file) != expected.get(name):
-            raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its manifest entry")
+            raise CheckpointDamaged(f"checkpoint {path} is corrupt: {name} does not match its manifest entry")
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -236,11 +242,11 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     if process_rank() == 0:
         try:
             verify_checkpoint(path)
-        except CheckpointError as error:
+        except CheckpointDamaged as error:
             problem = str(error)
     problem = from_first(problem)
     if problem is not None:
-        raise CheckpointError(problem)
+        raise CheckpointDamaged(problem)
     layout = json.loads((path / MANIFEST).read_text()).get("layout", "whole")
     trainer = torch.load(path / "trainer.pt", weights_only=True)
     if layout == SHARDED:
@@ -261,11 +267,25 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
             "ddp or zero1, or in one process"
         )
     weights = load_file(str(path / "model.safetensors"))
+    _check_weights_dtype(path, model, weights)
     _check_model(path, model, weights)
     optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
     model.load_state_dict(weights, strict=False)
     optimizer.load_state_dict(optimizer_state)
     return trainer
+
+
+def _check_weights_dtype(path: Path, model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Int8 weights (codes and scales) load only into int8 weights and float ones only into
+    float ones; fp32, bf16 and bf16 with a correction load into each other (rounded to nearest
+    where the run's weights hold less)."""
+    saved, own = stored_dtype(weights), stored_dtype(model.state_dict())
+    if (saved == "int8") != (own == "int8"):
+        instead = "int8" if saved == "int8" else f"{saved} (or another float dtype)"
+        raise CheckpointError(
+            f"checkpoint {path} holds {saved} weights and this run's are {own}: int8 weights do not "
+            f"turn into float ones or back on resume; resume with --dtype {instead}"
+        )
 
 
 def _check_model(path: Path, model: nn.Module, weights: dict[str, torch.Tensor]) -> None:

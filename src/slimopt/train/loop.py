@@ -32,11 +32,12 @@ from slimopt.memory import LiveBytes, state_nbytes, state_tensors
 from slimopt.registry import rank_origin
 from slimopt.sharding import barrier, from_first, local_view
 from slimopt.train import metrics, models
-from slimopt.train.checkpoint import checkpoint_to_resume, load_resumed, save_checkpoint
+from slimopt.train.checkpoint import checkpoint_to_resume, save_checkpoint
 from slimopt.train.config import TrainConfig, saved_config
 from slimopt.train.data import Batches, Data, prepare_data
 from slimopt.train.parallel import Parallel, start_run
 from slimopt.train.report import count, messenger, progress_bar
+from slimopt.train.resume import resume
 from slimopt.train.rundir import RunLock, check_free, check_out, claim, run_directory
 from slimopt.train.tokenizer import TextTokenizer
 
@@ -199,8 +200,7 @@ def _prepare(config: TrainConfig, parallel: Parallel, data: Data | None) -> _Run
     batches = Batches(train_rows, config.seed)
     start_step = 0
     if checkpoint is not None:
-        state = load_resumed(checkpoint, model, optimizer)
-        schedule.load_state_dict(state["schedule"])
+        state = resume(checkpoint, model, optimizer, schedule, config.optimizer_settings())
         batches.position, start_step = state["position"], state["step"]
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])

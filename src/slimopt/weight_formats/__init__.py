@@ -50,6 +50,7 @@ __all__ = [
     "lost_int8_weights",
     "optimizer_options",
     "quantize_weights",
+    "stored_dtype",
     "weight_dtype",
 ]
 
@@ -62,6 +63,19 @@ def weight_dtype(name: str) -> str:
         valid = ", ".join([*WEIGHT_DTYPES, *ALIASES])
         raise ValueError(f"unknown weight dtype {name!r}; valid: {valid}")
     return canonical
+
+
+def stored_dtype(state: dict[str, Tensor]) -> str:
+    """The weight dtype a model state dict holds: "int8" when it holds int8 codes, else that of
+    most of its floating-point values ("fp32" or "bf16"; a correction is not in a model's state,
+    so bf16+8 reads as bf16)."""
+    if any(key.endswith(CODES) for key in state):
+        return "int8"
+    counts = {dtype: 0 for dtype in (torch.float32, torch.bfloat16)}
+    for tensor in state.values():
+        if tensor.dtype in counts:
+            counts[tensor.dtype] += tensor.numel()
+    return "bf16" if counts[torch.bfloat16] > counts[torch.float32] else "fp32"
 
 
 def optimizer_options(dtype: str, options: dict[str, Any]) -> dict[str, Any]:
