@@ -101,6 +101,50 @@ def test_the_limiter_is_what_tells_the_runs_apart() -> None:
     assert relative_error(runs[0], runs[1]) > 1e-3
 
 
+def test_a_zero_first_gradient_does_not_freeze_the_limiter() -> None:
+    """Limiting starts from the first non-zero scaled gradient (a deliberate difference from
+    apollo-torch, which starts from the first step): a matrix whose first gradient is zero, as
+    LoRA's A is while B is zero, used to be held to 1e-8 · 1.01^t and stayed put for ~1800
+    steps. After a zero step it moves as a matrix whose first gradient is its second does."""
+    runs = []
+    for leading_zero in (True, False):
+        torch.manual_seed(0)
+        weight = torch.randn(48, 32, requires_grad=True)
+        start = weight.detach().clone()
+        optimizer = APOLLOAdamW([{"params": [weight], "rank": 8}], **HYPER)
+        if leading_zero:
+            weight.grad = torch.zeros(48, 32)
+            optimizer.step()
+            assert torch.equal(weight.detach(), start)
+        for step in range(10):
+            weight.grad = gradient(step, (48, 32))
+            optimizer.step()
+        runs.append(weight.detach() - start)
+    frozen, moving = runs
+    assert frozen.norm() > 0.5 * moving.norm() and relative_error(frozen, moving) < 0.5
+
+
+def test_peft_lora_a_trains_under_apollo() -> None:
+    """build_optimizer(peft_model, "apollo_adamw") trained lora_B only: lora_A's first gradient
+    is zero (lora_B starts at zero), which froze its limiter."""
+    peft = pytest.importorskip("peft")
+    from .conftest import tiny_llama
+    from .support import train_language_model
+
+    model = peft.get_peft_model(
+        tiny_llama(), peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    )
+    optimizer = slimopt.build_optimizer(model, "apollo_adamw", lr=1e-2, rank=4)
+    factors = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n}
+    train_language_model(model, optimizer, range(6))
+    moved = [
+        (p.detach() - factors[n]).norm() / factors[n].norm()
+        for n, p in model.named_parameters()
+        if n in factors
+    ]
+    assert min(moved) > 1e-2
+
+
 def test_the_random_projection_is_drawn_from_its_seed_and_never_stored() -> None:
     weights = [torch.zeros(256, 64, requires_grad=True), torch.zeros(64, 256, requires_grad=True)]
     optimizer = APOLLOAdamW([{"params": weights, "rank": 16, "update_proj_gap": 4}], lr=1e-3)

@@ -51,8 +51,14 @@ def limited(plan: Plan, state: MutableMapping[str, Any], raw: Tensor, factor: Te
     """``factor`` divided by Fira's limiter: ``max(n / (last + 1e-8), γ) / γ`` where ``n`` is
     ``‖raw·factor‖`` without the rule's bias correction at moment age ``age`` (apollo-torch
     applies that correction in its step size, after the limiter) and ``last`` the ``n`` the
-    previous step let through (kept in the state); unchanged on the first step or without
-    ``norm_growth_limit``. On the device: no host synchronisation."""
+    previous step let through (kept in the state); unchanged on the first step, while every
+    step before let through a zero gradient, or without ``norm_growth_limit``. On the device:
+    no host synchronisation.
+
+    Limiting starts from the first non-zero scaled gradient, where apollo-torch starts from the
+    first step: a matrix whose first gradient is zero (LoRA's A, whose B starts at zero; an
+    expert no token reached) would otherwise grow from 1e-8 by γ per step, frozen for about
+    ln(‖g‖ / 1e-8) / ln γ steps (1,800 at γ = 1.01)."""
     limit = plan.group["norm_growth_limit"]
     if limit is None:
         return factor
@@ -61,7 +67,8 @@ def limited(plan: Plan, state: MutableMapping[str, Any], raw: Tensor, factor: Te
     if last is None:
         state[LIMITER_KEY] = norm
         return factor
-    limiter = (norm / (last + EPS)).clamp_(min=limit).div_(limit)
+    ratio = (norm / (last + EPS)).clamp_(min=limit).div_(limit)
+    limiter = torch.where(last > 0, ratio, torch.ones_like(ratio))
     state[LIMITER_KEY] = norm / limiter
     return factor / limiter
 
