@@ -583,6 +583,23 @@ def test_what_torchruns_default_ddp_cannot_train_is_refused(
     assert not (tmp_path / "run").exists()
 
 
+def test_validation_takes_the_same_rows_for_any_micro_batch_size(tmp_path: Path) -> None:
+    """Validation took eval_batches × micro-batch rows, so two processes, or another
+    --micro-batch-size, validated other rows than one process (5.09 against 5.06 on the same
+    weights); it is eval_batches × batch_size rows now, however many at a time."""
+    from slimopt.train.config import TrainConfig
+    from slimopt.train.loop import evaluate
+
+    from .conftest import tiny_llama
+
+    model = tiny_llama()
+    rows = torch.randint(0, 256, (40, 32), generator=torch.Generator().manual_seed(0))
+    config = TrainConfig(batch_size=8, eval_batches=3, out=str(tmp_path / "unused"))
+    losses = [evaluate(model, rows, config, torch.device("cpu"), size) for size in (8, 4, 2, 5)]
+    whole = model(input_ids=rows[:24], labels=rows[:24]).loss.item()
+    assert losses == pytest.approx([whole] * 4, rel=1e-6)
+
+
 def test_distributed_none_under_torchrun_with_several_processes_is_refused(monkeypatch) -> None:
     """It started DDP (none was read as "the default")."""
     from slimopt.train.parallel import start_run
@@ -615,7 +632,7 @@ def test_distributed_flags_fail_in_one_line(workspace: Path, tmp_path: Path, cap
 def bench_args(optimizers: str, out: Path, *extra: str) -> list[str]:
     """``slimopt bench`` of ``optimizers`` on llama_9m, one 1×16 step after one, JSON to ``out``."""
     return [
-        "bench", "--model", "llama_9m", "--optimizers", optimizers, "--batch", "1", "--seq", "16",
+        "bench", "--model", "llama_9m", "--optimizers", optimizers, "--batch-size", "1", "--seq-len", "16",
         "--steps", "1", "--warmup", "1", "--json", str(out), *extra,
     ]  # fmt: skip
 
@@ -640,6 +657,22 @@ def test_bench_times_slimopt_beside_the_references(tmp_path: Path, capsys) -> No
     assert "unknown optimizer 'adam_w' for slimopt bench; valid: adamw," in capsys.readouterr().err
     assert main(["bench", "--steps", "0"]) == 2
     assert "--steps must be a positive integer, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--optimizers", ",", "--rank", "4"], "no optimizer to measure; name one or more of: adamw,"),
+        (["--optimizers", "adamw8bit,galore_adamw", "--rank", "0"], "rank must be a positive integer, got 0"),
+    ],
+)
+def test_bench_checks_every_optimizer_before_measuring_any(flags, message, capsys) -> None:
+    """--optimizers , printed an empty table and exited 0; --rank 0 was refused only once the
+    optimizers before the projecting one had been measured."""
+    argv = ["bench", "--model", "llama_9m", "--batch", "1", "--seq", "16", "--steps", "1", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "measuring" not in err
 
 
 def test_bench_with_int8_weights_measures_slimopt_and_says_why_not_the_references(tmp_path, capsys) -> None:

@@ -220,6 +220,9 @@ def test_auto_fuses_on_cuda_only_and_says_why() -> None:
     assert "the TACO rule has no fused step (AdamW and Adafactor only)" in taco.fused_path[0]
     off = slimopt.build_optimizer(model, "adamw", lr=1e-3, fused=False)
     assert off.fused_path[0] == "reference (fused=False)"
+    # A group without elements takes no path (it read "parameters on )").
+    empty = slimopt.GaLoreAdamW([{"params": [torch.zeros(2, 2)]}, {"params": [torch.zeros(0, 3)]}])
+    assert empty.fused_path[1] == "none (no elements to update)"
 
 
 @pytest.mark.parametrize(

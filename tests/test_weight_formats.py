@@ -281,10 +281,26 @@ def test_export_equals_the_dequantized_weights(tmp_path) -> None:
     weight = model.model.layers[0].mlp.up_proj.weight
     assert torch.equal(saved["model.layers.0.mlp.up_proj.weight"], weight.dequantize(torch.bfloat16))
     plain = build_llama((64, 128, 4, 2), vocab_size=256).to(torch.bfloat16)
-    plain.load_state_dict(saved, strict=False)
+    plain.load_state_dict(saved)
     batch = token_batch(0)
     with torch.no_grad():
         assert torch.equal(plain(input_ids=batch).logits, model(input_ids=batch).logits)
+
+
+def test_an_export_of_a_tied_model_loads_strictly(tmp_path) -> None:
+    """A weight shared by the embedding and the head was written once, so a strict
+    load_state_dict of the same architecture failed ("Missing key lm_head.weight")."""
+    from safetensors.torch import load_file
+
+    tied = build_llama((64, 128, 4, 2), vocab_size=256, tie_word_embeddings=True).to(torch.bfloat16)
+    quantize_weights(tied, "int8")
+    saved = load_file(str(export_weights(tied, tmp_path / "tied.safetensors")))
+    assert torch.equal(saved["lm_head.weight"], saved["model.embed_tokens.weight"])
+    plain = build_llama((64, 128, 4, 2), vocab_size=256, tie_word_embeddings=True).to(torch.bfloat16)
+    plain.load_state_dict(saved)
+    batch = token_batch(0)
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=batch).logits, tied(input_ids=batch).logits)
 
 
 # --- training -------------------------------------------------------------------------------

@@ -29,7 +29,6 @@ from torch import Tensor, nn
 
 from slimopt.checks import number_error
 from slimopt.core.basis import is_basis_key
-from slimopt.core.weights import CORRECTION_KEY
 from slimopt.distributed import STRATEGIES as PROCESS_STRATEGIES
 from slimopt.distributed import strategy_error
 from slimopt.layerwise import check_refresh_from, layerwise
@@ -175,7 +174,8 @@ def plan_memory(
 
     ``model`` is a LLaMA preset (``slimopt.train.models.LLAMA_PRESETS``) or a Hugging Face config
     file or directory; ``dtype`` is how the weights are stored (``slimopt.weight_formats``:
-    "fp32", "bf16", "bf16+8" — bf16 and an 8-bit correction, counted with the weights — or
+    "fp32", "bf16", "bf16+8" — bf16 and an 8-bit correction, which the optimizer keeps in its
+    state and the plan counts there — or
     "int8" linear weights with the rest bf16); ``batch_size`` sequences
     of ``seq_len`` tokens per micro-batch, ``accumulation_steps`` micro-batches per step;
     ``refresh_from`` is ``slimopt.layerwise``'s option of that name. With ``distributed``
@@ -364,10 +364,10 @@ def _known_tensors(
     ``params``, states, bases and layer-wise accumulation buffers."""
     states = [(key, v) for s in optimizer.state.values() for key, v in s.items() if isinstance(v, Tensor)]
     return {
-        # bf16 weights' 8-bit corrections are part of the weights (24 bits each).
-        "weights": weights + [v for key, v in states if key == CORRECTION_KEY],
+        "weights": weights,
         "gradients": [p.grad for p in params if p.grad is not None],
-        "optimizer_states": [v for key, v in states if not is_basis_key(key) and key != CORRECTION_KEY],
+        # bf16 weights' 8-bit corrections among them: optimizer state, as state_nbytes counts it.
+        "optimizer_states": [v for key, v in states if not is_basis_key(key)],
         "projection_bases": [v for key, v in states if is_basis_key(key)],
         "accumulation_buffers": list(handle.accumulation_buffers.values()) if handle else [],
     }

@@ -41,6 +41,7 @@ from torch import Tensor
 from slimopt.codecs.draws import stream_seed, uniform
 from slimopt.codecs.plain import FLOAT32_MAX
 from slimopt.codecs.slicing import matrix_shape
+from slimopt.memory import untracked
 
 TRITS_PER_BYTE = 5
 EXPONENT_STEPS_PER_OCTAVE = 4
@@ -53,7 +54,8 @@ _DIGITS = torch.stack([(torch.arange(256) // 3**k) % 3 for k in range(TRITS_PER_
 @cache
 def _tables(device: torch.device) -> tuple[Tensor, Tensor]:
     """(powers of three, digits of every byte) on ``device``, copied there once."""
-    return _POWERS_OF_THREE.to(device), _DIGITS.to(device)
+    with untracked():  # a cache for the whole process, not memory of a training step
+        return _POWERS_OF_THREE.to(device), _DIGITS.to(device)
 
 
 def nonzero_scale(scale: Tensor) -> Tensor:

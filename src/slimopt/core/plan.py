@@ -202,8 +202,11 @@ def fusable(param: Tensor, group: dict[str, Any], rule: UpdateRule) -> bool:
 
 def path_of(group: dict[str, Any], plans: list[Plan]) -> str:
     """The path the updates of ``group`` (its non-empty parameters' ``plans``) take: "fused",
-    or "reference" with why (``GaLoreOptimizer.fused_path``)."""
-    if plans and all(plan.fused for plan in plans):
+    or "reference" with why, or "none" for a group without elements to update
+    (``GaLoreOptimizer.fused_path``)."""
+    if not plans:
+        return "none (no elements to update)"
+    if all(plan.fused for plan in plans):
         return "fused"
     if group["fused"] is False:
         return "reference (fused=False)"

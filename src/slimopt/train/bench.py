@@ -103,19 +103,28 @@ def bench(
     sequences of ``seq`` tokens: median seconds of a training step and of its optimizer step
     over ``steps`` after ``warmup``, state bytes, peak memory bytes (see the module docstring).
     ``dtype``: how the weights are stored (``slimopt.weight_formats``; None: bf16 on CUDA, fp32
-    on the CPU). Raises ``ValueError`` naming a bad count."""
-    for flag, value in (("batch", batch), ("seq", seq), ("steps", steps)):
+    on the CPU). Raises ``ValueError`` naming a bad count or option, or for no optimizer, before
+    anything is measured."""
+    for flag, value in (("batch-size", batch), ("seq-len", seq), ("steps", steps)):
         if value < 1:
             raise ValueError(f"--{flag} must be a positive integer, got {value}")
     if warmup < 0:
         raise ValueError(f"--warmup must be an integer >= 0, got {warmup}")
+    if not names:
+        raise ValueError(
+            f"no optimizer to measure; name one or more of: {', '.join([*OPTIMIZERS, *REFERENCES])}"
+        )
+    weights = dtype or ("bf16" if device.type == "cuda" else "fp32")
+    for name in names:  # every one is built (on the meta device) before any is measured
+        if name not in REFERENCES:
+            _optimizer(_model(model, torch.device("meta"), weights), name, lr, rank, dtype)
     rows = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for name in names:
         progress(name)
         torch.manual_seed(0)
-        trained = _model(model, device, dtype)
+        trained = _model(model, device, weights)
         optimizer = _optimizer(trained, name, lr, rank, dtype)
         vocab = trained.config.vocab_size
         step_seconds, optimizer_seconds = [], []
@@ -183,10 +192,9 @@ def write_json(rows: list[dict[str, Any]], setting: dict[str, Any], path: str | 
     return path
 
 
-def _model(name: str, device: torch.device, dtype: str | None) -> nn.Module:
+def _model(name: str, device: torch.device, weights: str) -> nn.Module:
     from slimopt.train.models import build_model
 
-    weights = dtype or ("bf16" if device.type == "cuda" else "fp32")
     with torch.device(device):
         return build_model(name, 32000, 2048, weights=weights)
 

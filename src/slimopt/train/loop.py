@@ -77,16 +77,19 @@ def check_optimizer(config: TrainConfig, vocab_size: int) -> None:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, rows: Tensor, config: TrainConfig, device: torch.device, size: int) -> float:
-    """Mean loss over the first ``eval_batches`` batches of ``size`` validation rows (every
-    process of a run evaluates the same ones)."""
+    """Mean loss over the first ``eval_batches`` batches of ``batch_size`` validation rows,
+    whatever the number of processes and the micro-batch size (every process evaluates all of
+    them), run ``size`` rows at a time."""
     model.eval()
-    losses = []
-    for first in range(0, min(len(rows), config.eval_batches * size), size):
+    total, count = 0.0, 0
+    rows = rows[: config.eval_batches * config.batch_size]
+    for first in range(0, len(rows), size):
         batch = rows[first : first + size].to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-            losses.append(model(input_ids=batch, labels=batch).loss.float().item())
+            total += model(input_ids=batch, labels=batch).loss.float().item() * len(batch)
+        count += len(batch)  # rows are alike in length: a row's share of the mean is its tokens'
     model.train()
-    return sum(losses) / len(losses)
+    return total / count
 
 
 def track_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> LiveBytes:

@@ -185,8 +185,9 @@ def _load_codes(module: nn.Module, state_dict: dict[str, Any], prefix: str, *arg
 
 def dequantized_state_dict(model: nn.Module, dtype: torch.dtype | None = torch.bfloat16) -> dict[str, Tensor]:
     """``model.state_dict()`` with every int8 weight's codes and scales as its values under its
-    own name, floating-point tensors in ``dtype`` (None: as they are) and tensors shared under
-    several names kept by the first: what a plain model of the architecture loads."""
+    own name and floating-point tensors in ``dtype`` (None: as they are): what a plain model of
+    the architecture loads, strictly. A tensor shared under several names (an embedding tied to
+    the head) is under each of them, a copy of it under all but the first, as a file holds it."""
     state = model.state_dict()
     plain: dict[str, Tensor] = {}
     seen: set[tuple[int, int]] = set()
@@ -194,15 +195,15 @@ def dequantized_state_dict(model: nn.Module, dtype: torch.dtype | None = torch.b
         if key.endswith(SCALES):
             continue
         where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if where in seen and tensor.numel():
-            continue
+        shared = where in seen and tensor.numel() > 0
         seen.add(where)
         if key.endswith(CODES):
             key = key[: -len(CODES)] + "weight"
             tensor = dequantize(tensor, state[key[: -len("weight")] + SCALES])
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
-        plain[key] = tensor.detach().contiguous()
+        tensor = tensor.detach()
+        plain[key] = tensor.clone() if shared else tensor.contiguous()
     return plain
 
 
