@@ -512,3 +512,30 @@ def test_checkpoint_load_refuses_another_model_or_optimizer(tmp_path) -> None:
     with pytest.raises(TypeError, match="saves slimopt optimizers, got AdamW"):
         checkpoint.save(tmp_path / "other", model, torch.optim.AdamW(model.parameters()))
     assert not (tmp_path / "other").exists()
+
+
+def test_zero1_loads_a_state_dict_through_slimopts_loading(one_process_group) -> None:
+    """ZeroRedundancyOptimizer copied a saved state into the local optimizer as it was and set
+    every group's options from the checkpoint: resumed with int8 states the moments stayed fp32
+    (under groups that said fp32), resumed as bf16+8 no correction was kept. Its local part now
+    loads through slimopt's load_state_dict, as one process's does."""
+    from .support import train_language_model
+
+    def zero(model: torch.nn.Module, **options) -> torch.optim.Optimizer:
+        return slimopt.distributed.zero_redundancy_optimizer(model, "adamw", lr=3e-3, **options)
+
+    model = _model(CORRECTED)
+    optimizer = zero(model)
+    train_language_model(model, optimizer, range(2), shape=(2, 16))
+    optimizer.consolidate_state_dict(to=0)
+    saved = optimizer.state_dict()
+    again = zero(_model(CORRECTED), states="int8", param_rounding="corrected")
+    again.load_state_dict(saved)
+    local = again.optim
+    assert {g["states"] for g in again.param_groups} == {g["states"] for g in local.param_groups} == {"int8"}
+    assert {g["param_rounding"] for g in again.param_groups} == {"corrected"}
+    big = next(p for p in local.state if p.numel() >= 4096)
+    assert "exp_avg.codes" in local.state[big] and "exp_avg" not in local.state[big]
+    own = optimizer.optim.state[next(p for p in optimizer.optim.state if p.numel() >= 4096)]["exp_avg"]
+    assert relative_error(local.decoded_state(big)["exp_avg"], own) < 0.05
+    assert [g["lr"] for g in again.param_groups] == [g["lr"] for g in saved["param_groups"]]

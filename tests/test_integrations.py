@@ -210,6 +210,16 @@ def test_hugging_face_names_take_hugging_faces_defaults(tmp_path, optim) -> None
     assert own.param_groups[0]["rank"] == 16
 
 
+def test_int8_weights_under_several_trainer_processes_are_refused(tmp_path, monkeypatch) -> None:
+    """Trainer wraps the model for DDP or FSDP2 after building the optimizer: int8 weights
+    crashed in DDP's broadcast, or FSDP2 turned them into plain ones unnoticed."""
+    model = slimopt.quantize_weights(tiny_llama().to(torch.bfloat16), "int8")
+    trainer = SlimoptTrainer(model=model, args=_args(tmp_path), optimizer_name="adamw")
+    monkeypatch.setattr(transformers.TrainingArguments, "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="2 processes: int8 weights train in one process"):
+        trainer.create_optimizer()
+
+
 def test_training_arguments_optim_without_a_slimopt_counterpart_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"TrainingArguments\(optim='sgd'\) has no slimopt counterpart"):
         SlimoptTrainer(model=tiny_llama(), args=_args(tmp_path, optim="sgd"))

@@ -91,13 +91,13 @@ def zero_redundancy_optimizer(model: nn.Module, name: str, *, lr: float | None, 
     """``torch.distributed.optim.ZeroRedundancyOptimizer`` over slimopt optimizer ``name``, with
     the param groups ``slimopt.build_optimizer`` makes for ``model`` (same arguments). Each
     process updates, and computes the bases of, only the parameters it owns; ZeRO broadcasts them.
+    Its ``load_state_dict`` goes through slimopt's loading (``slimopt.distributed.zero``).
 
     Every parameter is stamped with its place in the whole model first, so random draws and
     refresh staggering do not depend on which process owns it. Raises what ``build_optimizer``
     raises, and ``ValueError`` for int8 weights (they train in one process)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     from slimopt.core.units import IDENTITY
+    from slimopt.distributed.zero import SlimoptZeroRedundancyOptimizer
     from slimopt.registry import OPTIMIZERS, build_optimizer, resolve_name
 
     _refuse_int8(model.parameters())
@@ -107,7 +107,7 @@ def zero_redundancy_optimizer(model: nn.Module, name: str, *, lr: float | None, 
     groups = [{**group, "params": list(group["params"])} for group in whole.param_groups]
     cls = OPTIMIZERS[resolve_name(name)].cls
     hyper = {key: value for key, value in whole.defaults.items() if key != "differentiable"}
-    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **hyper)
+    return SlimoptZeroRedundancyOptimizer(groups, optimizer_class=cls, **hyper)
 
 
 def __getattr__(name: str) -> Any:

@@ -43,6 +43,7 @@ from slimopt.registry import (
     parse_option,
     resolve_name,
 )
+from slimopt.weight_formats.int8 import INT8_ONE_PROCESS, Int8Weight
 
 try:
     from transformers import Trainer
@@ -184,15 +185,17 @@ class SlimoptTrainer(Trainer):
         self.layerwise_handle: LayerwiseHandle | None = None
 
     def create_optimizer(self, model: nn.Module | None = None) -> GaLoreOptimizer:
-        """Create the slimopt optimizer (once) and, for a ``_layerwise`` name, its hooks."""
+        """Create the slimopt optimizer (once) and, for a ``_layerwise`` name, its hooks; raises
+        ``ValueError`` for int8 weights in a run of several processes (they train in one)."""
         if self.optimizer is None:
+            used = self.model if model is None else model
+            if self.args.world_size > 1 and any(isinstance(p, Int8Weight) for p in used.parameters()):
+                raise ValueError(f"{self.args.world_size} processes: {INT8_ONE_PROCESS}")
             # Under accelerate's FSDP2 the Trainer builds the optimizer before prepare() shards
             # the model (it cannot wait), so the weights it sees are whole.
             plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
             rows_split = plugin is not None and getattr(plugin, "fsdp_version", 1) == 2
-            self.optimizer = create_optimizer(
-                self.model if model is None else model, self.args, self.optimizer_name, rows_split=rows_split
-            )
+            self.optimizer = create_optimizer(used, self.args, self.optimizer_name, rows_split=rows_split)
             if self.layerwise:
                 self.layerwise_handle = layerwise(
                     self.optimizer,
