@@ -67,7 +67,7 @@ OPTIMIZERS = (
 )
 LEARNING_RATES = (1e-3, 3e-3, 1e-2)
 GALORE_FACTOR = 3  # GaLore's sweep: 3e-3, 9e-3, 3e-2
-# Goals of issue 14: int8 within 2% and ternary within 4% of AdamW (loss: relative; accuracy:
+# The goals: int8 within 2% and ternary within 4% of AdamW (loss: relative; accuracy:
 # absolute points).
 GOALS = {"int8": 0.02, "ternary": 0.04}
 SEQ_LEN = 64

@@ -1,4 +1,4 @@
-"""TACO measured (issue 15): fine-tuning quality, optimizer state, peak memory (with and without
+"""TACO measured: fine-tuning quality, optimizer state, peak memory (with and without
 layer-wise updates) and time, against its dense-EMA oracle, AdamW, int8 and ternary states and
 LoRA; a pretraining row; and the planner's memory for OPT-13B and LLaMA-7B.
 
@@ -71,7 +71,7 @@ def variants() -> list[Variant]:
         Variant("LoRA (AdamW)", "adamw", ADAMW_LRS, lora=True),
         *taco,
         Variant("TACO dense oracle", "taco", TACO_LRS, {"history": "dense"}),
-        # Issue 29's lesson for ternary states (a shorter average) tried on TACO's sketch.
+        # The ternary diagnosis's lesson (a shorter average) tried on TACO's sketch.
         Variant("TACO k=16 at β = 0.5", "taco", TACO_LRS, {"beta": 0.5}),
         Variant("TACO dense oracle at β = 0.5", "taco", TACO_LRS, {"history": "dense", "beta": 0.5}),
         Variant("AdamW ternary at β₁ = 0.5", "adamw_ternary", ADAMW_LRS, {"betas": (0.5, 0.999)}),

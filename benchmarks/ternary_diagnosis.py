@@ -1,4 +1,4 @@
-"""Which part of the ternary format costs the loss (issue 29's diagnosis).
+"""Which part of the ternary format costs the loss (the diagnosis behind β₁ = 0.7).
 
 On rows of ``benchmarks.architectures`` (the same models, data, steps, warm-up, clipping and
 learning-rate sweep), each variant swaps one part of ``states="ternary"`` (a ternary first moment
@@ -11,7 +11,7 @@ changes its scale granularity:
   first moment at all, which any ternary first moment must beat;
 - the same under GaLore (the projected moments rotate with the basis at every refresh);
 - β₁ from 0.3 to 0.8, round-to-nearest, an int4 first moment, stacked experts with one scale per
-  expert (the layout before issue 29), and Lion (``rule="lion"``: a sign of momentum whose one
+  expert (the layout before 2026-12-02), and Lion (``rule="lion"``: a sign of momentum whose one
   moment is stored in fp32, int8 or ternary).
 
 ``--shadow`` measures instead how the first moment's rounding noise accumulates through β₁: the
@@ -41,7 +41,7 @@ from benchmarks.architectures import learning_rates, relative, sweep, tasks
 from slimopt.codecs import moment_codec, ternary
 from slimopt.codecs.slicing import matrix_shape
 
-# AdamW's betas, which adamw_ternary took until issue 29 chose β₁ = 0.7: the variants that mean
+# AdamW's betas, which adamw_ternary took until β₁ = 0.7 was chosen: the variants that mean
 # the ternary format as it was pin them.
 OLD_BETAS = (0.9, 0.999)
 
@@ -81,7 +81,7 @@ VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("lion, int8 moment", "adamw", {"rule": "lion", "betas": LION_BETAS, "states": "int8"}),
     ("lion, ternary moment", "adamw", {"rule": "lion", "betas": LION_BETAS, "states": "ternary"}),
     ("lion, ternary moment, β₂ = 0.9", "adamw", {"rule": "lion", "betas": (0.9, 0.9), "states": "ternary"}),
-    # Stacked experts' moments scaled as before issue 29 (``one_scale_per_expert``).
+    # Stacked experts' moments scaled as before 2026-12-02 (``one_scale_per_expert``).
     ("ternary, β₁ = 0.7, one scale per expert", "adamw_ternary", {"betas": (0.7, 0.999)}),
     ("galore_adamw (fp32)", "galore_adamw", {}),
     ("galore ternary", "galore_adamw_ternary", {"betas": OLD_BETAS}),
@@ -138,7 +138,7 @@ def round_to_nearest() -> Iterator[None]:
 @contextlib.contextmanager
 def one_scale_per_expert() -> Iterator[None]:
     """The ternary codec scales a 3-D moment (a mixture of experts' stacked E × m × n weights)
-    as the E × (m·n) matrix while this is open, as it did before issue 29: one row scale per
+    as the E × (m·n) matrix while this is open, as it did before 2026-12-02: one row scale per
     expert, no column scales under 32 experts, blocks along memory. Today it scales the
     (E·m) × n matrix of the experts' rows (``slimopt.codecs.ternary.scaled_shape``)."""
     with mock.patch.object(ternary, "scaled_shape", matrix_shape):

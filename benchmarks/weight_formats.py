@@ -63,7 +63,7 @@ FORMATS: dict[str, tuple[str, dict[str, Any]]] = {
     "int8": ("int8", {"param_rounding": "stochastic"}),
     "torchao-int8": ("torchao-int8", {}),
 }
-# Issue 31's goals: int8 within +2% of bf16's loss, bf16+8 within +0.5% of fp32's (checked
+# The goals: int8 within +2% of bf16's loss, bf16+8 within +0.5% of fp32's (checked
 # against fp32 weights computing in fp32, under autocast, and as bf16+8's fp32 master weights).
 GOALS = {"int8": [("bf16", 0.02)], "bf16+8": [("fp32", 0.005), ("fp32-amp", 0.005), ("fp32-master", 0.005)]}
 ROWS = {
