@@ -499,16 +499,6 @@ def test_torchrun_trains_like_one_process_and_resumes(workspace: Path, tmp_path:
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), a["step"]
 
 
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (
-            ["--dtype", "int8"],
-            "--dtype int8 with 2 processes under torchrun (ddp): int8 weights train in one",
-        ),
-        (["--layerwise"], "--layerwise with 2 processes under torchrun (ddp): DDP averages gradients"),
-    ],
-)
 def _saved_optimizer(out: Path, step: int) -> dict:
     return torch.load(out / "checkpoints" / f"step-{step:08d}" / "optimizer.pt", weights_only=True)
 
@@ -568,6 +558,16 @@ def test_options_given_again_on_resume_apply(workspace: Path, tmp_path: Path) ->
     assert {group["weight_decay"] for group in _saved_optimizer(first, 4)["param_groups"]} == {0.1, 0.0}
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--dtype", "int8"],
+            "--dtype int8 with 2 processes under torchrun (ddp): int8 weights train in one",
+        ),
+        (["--layerwise"], "--layerwise with 2 processes under torchrun (ddp): DDP averages gradients"),
+    ],
+)
 def test_what_torchruns_default_ddp_cannot_train_is_refused(
     flags, message, workspace: Path, tmp_path: Path, capsys, monkeypatch
 ) -> None:
