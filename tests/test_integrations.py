@@ -147,6 +147,13 @@ def test_optim_args_are_typed_and_bad_ones_are_named() -> None:
         parse_optim_args("rank")
 
 
+def test_an_infinite_limiter_in_optim_args_is_refused(tmp_path) -> None:
+    """optim_args="norm_growth_limit=inf" turned APOLLO's weights NaN at the second step."""
+    args = _args(tmp_path, optim="apollo_adamw", optim_args="norm_growth_limit=inf")
+    with pytest.raises(ValueError, match="norm_growth_limit must be a finite number >= 1, or None"):
+        create_optimizer(tiny_llama(), args)
+
+
 @pytest.mark.parametrize("name", ["adamw_ternary", "galore_adamw_ternary"])
 def test_a_ternary_optimizer_takes_adam_beta1_as_given_and_says_its_own_default(tmp_path, name) -> None:
     """TrainingArguments' adam_beta1 (0.9 unless set) reaches the optimizer, as for every Adam,
