@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slimopt.checks import beyond_float32, number_error
+from slimopt.checks import beyond_float32, number
 from slimopt.optimizers import GaLoreOptimizer
 from slimopt.projection import project
 from slimopt.sharding import local_view, split_by_rows
@@ -320,7 +320,8 @@ def layerwise(
     steps = accumulation_steps
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
-    if max_grad_norm is not None and number_error("max_grad_norm", max_grad_norm, strict=True):
+    clip = number(max_grad_norm)
+    if max_grad_norm is not None and (clip is None or clip <= 0):
         raise ValueError(
             f"max_grad_norm must be a finite number > 0, or None for no clipping, got {max_grad_norm!r}"
             f"{beyond_float32(max_grad_norm)}"

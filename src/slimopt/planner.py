@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from slimopt.checks import number_error
+from slimopt.checks import number
 from slimopt.core.basis import is_basis_key
 from slimopt.distributed import STRATEGIES as PROCESS_STRATEGIES
 from slimopt.distributed import strategy_error
@@ -216,7 +216,8 @@ def _setting(arguments: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{key.replace('_', ' ')} must be a positive integer, got {value!r}")
     setting["dtype"] = weight_dtype(setting["dtype"])
     gpu = setting["gpu_memory_gib"]
-    if gpu is not None and number_error("gpu memory", gpu, strict=True):
+    found = number(gpu)
+    if gpu is not None and (found is None or found <= 0):
         raise ValueError(f"gpu memory must be a finite positive number of GiB, got {gpu!r}")
     check_refresh_from(setting["refresh_from"], setting["layerwise"], "set layerwise (--layerwise)")
     rank = setting["rank"]

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from slimopt.codecs.plain import FLOAT32_MAX
+from slimopt.checks import FLOAT32_MAX
 from slimopt.memory import untracked
 
 # The lookup's bucket of an fp32 number: its bits shifted right, keeping 17 bits; its key

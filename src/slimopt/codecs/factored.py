@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from slimopt.codecs.plain import FLOAT32_MAX
+from slimopt.checks import FLOAT32_MAX
 
 
 class FactoredCodec:

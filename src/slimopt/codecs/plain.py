@@ -10,7 +10,6 @@ from torch import Tensor
 from slimopt.codecs.draws import draw_indices, random_words, stream_seed
 
 # Compressed codecs saturate infinite moments to this: a scale of inf would decode 0 · inf = NaN.
-FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class Fp32Codec:

@@ -38,8 +38,8 @@ from functools import cache
 import torch
 from torch import Tensor
 
+from slimopt.checks import FLOAT32_MAX
 from slimopt.codecs.draws import stream_seed, uniform
-from slimopt.codecs.plain import FLOAT32_MAX
 from slimopt.codecs.slicing import matrix_shape
 from slimopt.memory import untracked
 

@@ -51,14 +51,6 @@ def strategy_error(
             "ones; use fsdp2"
         )
     return None
-    if weights == "int8":
-        return f"int8 weights with {strategy}: {INT8_ONE_PROCESS}"
-    if layerwise and strategy in ("ddp", "zero1"):
-        return (
-            f"layer-wise updates with {strategy}: DDP averages gradients after backward, so "
-            "layer-wise updates would see unaveraged ones; use fsdp2"
-        )
-    return None
 
 
 def spread_refreshes(optimizer: Any, group: Any = None) -> None:

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slimopt.checks import FLOAT32_MAX
 from slimopt.codecs.blockwise import BlockwiseCodec, nearest_codes
 from slimopt.codecs.draws import draw_indices, random_words, uniform_from_words
 from slimopt.codecs.factored import FactoredCodec
-from slimopt.codecs.plain import FLOAT32_MAX, Bf16Codec, Fp32Codec, round_to_bf16_with_stream
+from slimopt.codecs.plain import Bf16Codec, Fp32Codec, round_to_bf16_with_stream
 from slimopt.codecs.ternary import (
     EXPONENT_STEPS_PER_OCTAVE,
     TRITS_PER_BYTE,

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from slimopt.checks import FLOAT32_MAX
 from slimopt.codecs.blockwise import KEY_BITS, KEY_MASK, LOOKUP_MASK, LOOKUP_SHIFT, THRESHOLD_MASK
-from slimopt.codecs.plain import FLOAT32_MAX
 from slimopt.kernels.formats import Storage
 from slimopt.kernels.triton_parts import (
     adamw_update,

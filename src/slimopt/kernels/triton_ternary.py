@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from slimopt.codecs.plain import FLOAT32_MAX
+from slimopt.checks import FLOAT32_MAX
 from slimopt.codecs.ternary import EXPONENT_STEPS_PER_OCTAVE, TRITS_PER_BYTE, exponent_scale
 from slimopt.kernels.formats import Storage
 from slimopt.kernels.triton_parts import (

@@ -18,8 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from slimopt.checks import number, number_error
-from slimopt.codecs.plain import FLOAT32_MAX
+from slimopt.checks import FLOAT32_MAX, number, number_error
 
 
 def rms(tensor: Tensor) -> Tensor:

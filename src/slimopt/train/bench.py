@@ -115,9 +115,10 @@ def bench(
             f"no optimizer to measure; name one or more of: {', '.join([*OPTIMIZERS, *REFERENCES])}"
         )
     weights = dtype or ("bf16" if device.type == "cuda" else "fp32")
-    for name in names:  # every one is built (on the meta device) before any is measured
-        if name not in REFERENCES:
-            _optimizer(_model(model, torch.device("meta"), weights), name, lr, rank, dtype)
+    ours = [name for name in names if name not in REFERENCES]
+    shapes = _model(model, torch.device("meta"), weights) if ours else None
+    for name in ours:  # every one is built (on the meta device) before any is measured
+        _optimizer(shapes, name, lr, rank, dtype)
     rows = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

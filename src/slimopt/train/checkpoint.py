@@ -267,31 +267,32 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
             "ddp or zero1, or in one process"
         )
     weights = load_file(str(path / "model.safetensors"))
-    _check_weights_dtype(path, model, weights)
-    _check_model(path, model, weights)
+    own = model.state_dict()
+    _check_weights_dtype(path, own, weights)
+    _check_model(path, own, weights)
     optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
     model.load_state_dict(weights, strict=False)
     optimizer.load_state_dict(optimizer_state)
     return trainer
 
 
-def _check_weights_dtype(path: Path, model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+def _check_weights_dtype(path: Path, own: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
     """Int8 weights (codes and scales) load only into int8 weights and float ones only into
     float ones; fp32, bf16 and bf16 with a correction load into each other (rounded to nearest
     where the run's weights hold less)."""
-    saved, own = stored_dtype(weights), stored_dtype(model.state_dict())
-    if (saved == "int8") != (own == "int8"):
+    saved, ours = stored_dtype(weights), stored_dtype(own)
+    if (saved == "int8") != (ours == "int8"):
         instead = "int8" if saved == "int8" else f"{saved} (or another float dtype)"
         raise CheckpointError(
-            f"checkpoint {path} holds {saved} weights and this run's are {own}: int8 weights do not "
+            f"checkpoint {path} holds {saved} weights and this run's are {ours}: int8 weights do not "
             f"turn into float ones or back on resume; resume with --dtype {instead}"
         )
 
 
-def _check_model(path: Path, model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Every saved tensor must be a model tensor of the same shape, and every model parameter
-    must be saved (tied parameters are saved once under one of their names)."""
-    own = model.state_dict()
+def _check_model(path: Path, own: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
+    """Every saved tensor must be a tensor of the model's state ``own`` of the same shape, and
+    every model parameter must be saved (tied parameters are saved once under one of their
+    names)."""
     for name, tensor in weights.items():
         if name not in own or own[name].shape != tensor.shape:
             shape = tuple(own[name].shape) if name in own else "absent"

@@ -130,13 +130,15 @@ def start_run(strategy: str | None, device_name: str) -> Parallel:
         raise ValueError(f"unknown --distributed {strategy!r}; valid: none, {', '.join(STRATEGIES)}")
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if launched else 1
-    if strategy == "none" and world > 1:
-        raise ValueError(
-            f"--distributed none trains in one process, but torchrun started {world}: run slimopt "
-            "train without torchrun, or choose --distributed ddp, zero1 or fsdp2"
-        )
-    if not launched or strategy == "none":
-        if strategy not in (None, "none"):
+    if strategy == "none":
+        if world > 1:
+            raise ValueError(
+                f"--distributed none trains in one process, but torchrun started {world}: run "
+                "slimopt train without torchrun, or choose --distributed ddp, zero1 or fsdp2"
+            )
+        return Parallel()
+    if not launched:
+        if strategy is not None:
             raise ValueError(
                 f"--distributed {strategy} runs under torchrun: torchrun --nproc_per_node N -m slimopt.cli "
                 "train ... (or --distributed none for one process)"
