@@ -4,23 +4,28 @@ rounding, an int8 basis), each trained three seeded steps and then two more.
 
 ``tests/golden/`` holds what the code at the time of writing produced: a digest of every state
 dict entry and parameter (key, dtype, shape, SHA-256 of the bytes) after steps 3 and 5, and the
-step-3 checkpoints themselves (``torch.save`` files, and DCP directories for two layouts) for the
-test that loads them and continues. Regenerate only when a change of numbers is intended, and
-say why in the commit:
+step-3 checkpoints themselves (``torch.save`` files, and DCP directories for two layouts), with
+the digests of those checkpoints loaded and continued for two steps. Every run happens in a
+process whose CPU kernels are pinned (``PINNED_ENVIRONMENT``), so the bits are the same on any
+x86-64 machine. Regenerate only when a change of numbers is intended, and say why in the commit:
 
     .venv/bin/python -m tests.golden_runs
 
 A newly documented import path, or a new configuration's runs, join the snapshot without
-touching the runs written before:
+touching the runs written before; after a change of torch, ``--numbers`` writes every digest
+again and keeps the checkpoint files (which stand for the formats of the code that wrote them):
 
     .venv/bin/python -m tests.golden_runs --paths
     .venv/bin/python -m tests.golden_runs --new-runs
+    .venv/bin/python -m tests.golden_runs --numbers
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import platform
 import re
 import shutil
 import subprocess
@@ -48,6 +53,20 @@ DOCUMENTS = [
 ]
 MANIFEST = GOLDEN / "manifest.json"
 FIRST_STEPS, MORE_STEPS = 3, 2
+LATER = range(FIRST_STEPS, FIRST_STEPS + MORE_STEPS)
+
+# A CPU's results are its own where a library picks kernels by instruction set: ATen's vectorized
+# kernels (AVX2 and AVX-512 sum in another order and draw normals another way), MKL's matrix
+# products and oneDNN's bf16 ones. Golden runs pin all three to paths that every x86-64 machine
+# takes (files written on one kind of CPU once failed on another), and use one thread.
+PINNED_ENVIRONMENT = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "COMPATIBLE",
+    "ONEDNN_MAX_CPU_ISA": "SSE41",
+    "OMP_NUM_THREADS": "1",
+}
+# The digests the manifest keeps for each run; the tests compare more results with "continued".
+KEPT = ("first", "more", "loaded", "continued")
 
 
 class Wide(nn.Module):
@@ -98,7 +117,7 @@ def _by_name(name: str) -> Configuration:
     return next(c for c in CONFIGURATIONS if c.label == name)
 
 
-# The ternary optimizers' default β₁ was 0.9 when these runs were written (0.7 since issue 29):
+# The ternary optimizers' default β₁ was 0.9 when these runs were written (0.7 since):
 # their runs keep it, so they still check the code, not the default.
 WRITTEN_WITH = {name: {"betas": (0.9, 0.999)} for name in ("adamw_ternary", "galore_adamw_ternary")}
 
@@ -187,6 +206,59 @@ def _tensor_digest(tensor: torch.Tensor) -> list[Any]:
     return [str(tensor.dtype), list(tensor.shape), hashlib.sha256(data).hexdigest()]
 
 
+def results() -> dict[str, dict[str, Any]]:
+    """Every run's digests (call in a pinned process): three steps ("first"), two more ("more"),
+    and for a run with saved checkpoints, the file loaded ("loaded") and continued for two steps
+    ("continued"), the ternary runs' file continued by an optimizer built with today's defaults,
+    and the DCP checkpoint continued."""
+    with one_thread():
+        return {run.label: _results_of(run) for run in RUNS}
+
+
+def _results_of(run: GoldenRun) -> dict[str, Any]:
+    net = run.net()
+    optimizer = run.optimizer(net)
+    train(run, net, optimizer, range(FIRST_STEPS))
+    found = {"first": digest(net, optimizer)}
+    train(run, net, optimizer, LATER)
+    found["more"] = digest(net, optimizer)
+    if run.saved:
+        saved = torch.load(file_of(run), weights_only=True)
+        net = run.net()
+        optimizer = run.optimizer(net)
+        net.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        found["loaded"] = digest(net, optimizer)
+        train(run, net, optimizer, LATER)
+        found["continued"] = digest(net, optimizer)
+    if run.saved and "betas" in run.options:
+        net = run.net()
+        optimizer = run.configuration.build(net, **{k: v for k, v in run.options.items() if k != "betas"})
+        net.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        train(run, net, optimizer, LATER)
+        found["continued with today's defaults"] = digest(net, optimizer)
+    if run.dcp:
+        net = run.net()
+        optimizer = run.optimizer(net)
+        dcp_checkpoint.load(dcp_of(run), net, optimizer)
+        train(run, net, optimizer, LATER)
+        found["continued from DCP"] = digest(net, optimizer)
+    return found
+
+
+def pinned_results() -> dict[str, dict[str, Any]]:
+    """``results()`` computed in a fresh interpreter with the pinned environment (the kernels are
+    chosen as torch starts, so this process cannot pin itself)."""
+    done = _in_pinned_process(["--results"], check=True, capture_output=True, text=True, timeout=600)
+    return json.loads(done.stdout)
+
+
+def _in_pinned_process(arguments: list[str], **options: Any) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "tests.golden_runs", *arguments]
+    return subprocess.run(command, cwd=ROOT, env={**os.environ, **PINNED_ENVIRONMENT}, **options)
+
+
 def file_of(run: GoldenRun) -> Path:
     return GOLDEN / f"{_slug(run.label)}.pt"
 
@@ -241,7 +313,6 @@ def generate() -> None:
     GOLDEN.mkdir()
     paths = sorted(documented_paths())
     manifest: dict[str, Any] = {
-        "torch": torch.__version__,
         "import_paths": paths,
         "attribute_paths": attribute_paths(paths),
         "runs": {},
@@ -256,19 +327,32 @@ def add_new_runs() -> None:
     _write_runs(manifest, [run for run in RUNS if run.label not in manifest["runs"]])
 
 
+def write_numbers() -> None:
+    """Write every run's digests again at the code and torch as they are, keeping the checkpoint
+    files (for a change of torch or of the pinned environment, not of the code's numbers)."""
+    manifest = json.loads(MANIFEST.read_text())
+    _write_runs(manifest, [])
+
+
 def _write_runs(manifest: dict[str, Any], runs: list[GoldenRun]) -> None:
+    """Write the step-3 checkpoints of ``runs``, then every run's digests with what they ran on."""
     with one_thread():
         for run in runs:
             net = run.net()
             optimizer = run.optimizer(net)
             train(run, net, optimizer, range(FIRST_STEPS))
-            first = digest(net, optimizer)
             if run.saved:
                 torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, file_of(run))
             if run.dcp:
                 dcp_checkpoint.save(dcp_of(run), net, optimizer)
-            train(run, net, optimizer, range(FIRST_STEPS, FIRST_STEPS + MORE_STEPS))
-            manifest["runs"][run.label] = {"first": first, "more": digest(net, optimizer)}
+        found = {run.label: _results_of(run) for run in RUNS}
+    manifest["torch"] = torch.__version__
+    manifest["machine"] = platform.machine()
+    manifest["environment"] = PINNED_ENVIRONMENT
+    manifest["runs"] = {
+        label: {key: value for key, value in digests.items() if key in KEPT}
+        for label, digests in found.items()
+    }
     MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
@@ -282,12 +366,32 @@ def add_documented_paths() -> None:
     MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
+def _print_results() -> None:
+    print(json.dumps(results()))
+
+
+# Anything but these forms is refused: regenerating every run is never a default.
+COMMANDS = {
+    "": generate,
+    "--paths": add_documented_paths,
+    "--new-runs": add_new_runs,
+    "--numbers": write_numbers,
+    "--results": _print_results,
+}
+
+
+def _run_pinned(arguments: list[str]) -> None:
+    """Run a command of this module in a process with the pinned environment: this one when its
+    environment already is (torch reads it as it starts), else a fresh interpreter."""
+    if any(os.environ.get(name) != value for name, value in PINNED_ENVIRONMENT.items()):
+        sys.exit(_in_pinned_process(arguments).returncode)
+    COMMANDS[" ".join(arguments)]()
+
+
 if __name__ == "__main__":
-    # Anything but the three forms is refused: regenerating every run is never a default.
-    commands = {"": generate, "--paths": add_documented_paths, "--new-runs": add_new_runs}
-    command = commands.get(" ".join(sys.argv[1:]))
-    if command is None:
+    if " ".join(sys.argv[1:]) not in COMMANDS:
         sys.exit(
-            "usage: python -m tests.golden_runs [--paths | --new-runs] (no argument: regenerate all runs)"
+            "usage: python -m tests.golden_runs [--paths | --new-runs | --numbers] "
+            "(no argument: regenerate all runs)"
         )
-    command()
+    _run_pinned(sys.argv[1:])

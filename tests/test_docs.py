@@ -260,9 +260,10 @@ def test_the_readme_quotes_the_demo_as_getting_started_does() -> None:
 @pytest.mark.usefixtures("private_cache")
 def test_the_quoted_short_comparison_reproduces(tmp_path, capsys) -> None:
     """Getting started quotes a 12-step comparison on the built-in corpus; on this kind of
-    machine (2 threads) it reproduces every validation loss to the documented 2e-4 (1e-3 for
-    ternary states, where a last-bit difference becomes another stochastic rounding), so the
-    numbers cannot drift from the code unnoticed."""
+    machine (2 threads) it reproduces every validation loss to the documented 2e-4 (2e-3 for
+    ternary states, where a last-bit difference becomes another stochastic rounding: two
+    machines of this kind, with other CPUs, gave 6.6774 and 6.6764), so the numbers cannot drift
+    from the code unnoticed."""
     text = START.read_text()
     section = text[text.index(SHORT_COMMAND) :]
     quoted = {name: float(loss) for name, loss in SHORT_ROW.findall(section[: section.index("\n\n", 200)])}
@@ -277,7 +278,7 @@ def test_the_quoted_short_comparison_reproduces(tmp_path, capsys) -> None:
     capsys.readouterr()
     results = json.loads((tmp_path / "short" / "results.json").read_text())
     for result in results:
-        tolerance = 1e-3 if result["optimizer"].endswith("ternary") else 2e-4
+        tolerance = 2e-3 if result["optimizer"].endswith("ternary") else 2e-4
         assert result["val_loss"] == pytest.approx(quoted[result["optimizer"]], abs=tolerance), result[
             "optimizer"
         ]
