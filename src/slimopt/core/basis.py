@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from slimopt.codecs import moment_codec, state_key
+from slimopt.codecs import state_key
 from slimopt.codecs.slicing import matrix_shape
 from slimopt.core.plan import Plan
 from slimopt.core.seeds import BASIS_STREAM, draw_seed, rounding_seed
@@ -33,19 +33,11 @@ def basis(plan: Plan, state: MutableMapping[str, Any]) -> Basis | None:
     if plan.group["proj_method"] == "random":
         return _drawn(plan, state) if DRAW_KEY in state else None
     factors = []
-    for key, shape in zip(BASIS_KEYS, basis_shapes(plan), strict=True):
-        codec = moment_codec(plan.group["basis_states"], "linear", shape)
+    for key, (shape, codec) in zip(BASIS_KEYS, plan.basis_storage, strict=True):
         stored = {part: state.get(state_key(key, part)) for part in codec.parts}
         present = all(value is not None for value in stored.values())
         factors.append(codec.decode(stored, shape) if present else None)
     return None if factors == [None, None] else Basis(*factors)
-
-
-def basis_shapes(plan: Plan) -> tuple[torch.Size, torch.Size]:
-    """The shapes of the left and right factors of the unit's basis."""
-    rows, cols = matrix_shape(plan.shape)
-    rank = min(plan.group["rank"], rows, cols)
-    return torch.Size((rows, rank)), torch.Size((rank, cols))
 
 
 def draw_basis(plan: Plan, state: MutableMapping[str, Any]) -> None:
@@ -70,8 +62,7 @@ def store_basis(plan: Plan, state: MutableMapping[str, Any], new: Basis) -> None
     if plan.group["basis_states"] == "bf16":
         generator = torch.Generator(device="cpu" if plan.param.is_meta else plan.param.device)
         generator.manual_seed(rounding_seed(state, BASIS_STREAM))
-    for key, factor, shape in zip(BASIS_KEYS, new, basis_shapes(plan), strict=True):
+    for key, factor, (_, codec) in zip(BASIS_KEYS, new, plan.basis_storage, strict=True):
         if factor is not None:
-            codec = moment_codec(plan.group["basis_states"], "linear", shape)
             for part, stored in codec.encode(factor, generator).items():
                 state[state_key(key, part)] = stored

@@ -11,7 +11,8 @@ refresh staggering, warnings).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from torch import Tensor
 from slimopt import kernels
 from slimopt.codecs import Codec, moment_codec
 from slimopt.codecs.rows import RowSlicedStorage, row_sliced_storage
-from slimopt.codecs.slicing import sliced
+from slimopt.codecs.slicing import matrix_shape, sliced
 from slimopt.core.tensors import values
 from slimopt.options import fused_unsupported, is_projected
 from slimopt.rules import UpdateRule
@@ -72,6 +73,10 @@ class Plan:
     rounds_weights: bool  # weights rounded stochastically: bf16 (or its correction), int8
     corrects_weights: bool  # bf16 weights with an 8-bit correction in the state
     place: Place
+    # The moments' codecs and whether an update draws, by storage layout: worked out at a
+    # unit's first update (its layout is known then), read at every later one.
+    _codecs: dict[torch.Size, dict[str, Codec]] = field(default_factory=dict, repr=False)
+    _draws: dict[torch.Size, bool] = field(default_factory=dict, repr=False)
 
     @property
     def fused(self) -> bool:
@@ -108,11 +113,14 @@ class Plan:
 
     def moment_codecs(self, layout: torch.Size) -> dict[str, Codec]:
         """The codec of each moment of the rule, by key, for storage chosen by ``layout``."""
-        group = self.group
-        return {
-            key: moment_codec(group["states"], kind, layout, group["block_size"])
-            for key, kind in self.rule.moment_kinds.items()
-        }
+        codecs = self._codecs.get(layout)
+        if codecs is None:
+            states, block_size = self.group["states"], self.group["block_size"]
+            codecs = self._codecs[layout] = {
+                key: moment_codec(states, kind, layout, block_size)
+                for key, kind in self.rule.moment_kinds.items()
+            }
+        return codecs
 
     def row_storages(self, shape: torch.Size | None = None) -> dict[str, RowSlicedStorage]:
         """The slice-by-slice layout of each moment of a unit updated by slices of rows
@@ -125,19 +133,31 @@ class Plan:
             for key, kind in self.rule.moment_kinds.items()
         }
 
+    @cached_property
+    def basis_storage(self) -> tuple[tuple[torch.Size, Codec], tuple[torch.Size, Codec]]:
+        """The shape and codec (``basis_states``) of the left and of the right factor of a
+        projected unit's basis."""
+        rows, cols = matrix_shape(self.shape)
+        rank = min(self.group["rank"], rows, cols)
+        shapes = torch.Size((rows, rank)), torch.Size((rank, cols))
+        left, right = ((shape, moment_codec(self.group["basis_states"], "linear", shape)) for shape in shapes)
+        return left, right
+
     def stored_by_row_slices(self, shape: torch.Size) -> bool:
         """Whether moments of values of ``shape`` (a saved shard's) are stored by row slices."""
         return not self.projected and self.rule.elementwise and sliced(shape)
 
     def draws(self, layout: torch.Size) -> bool:
         """Whether an update draws random numbers: stochastically rounded weights or states."""
-        kinds = set(self.rule.moment_kinds.values())
-        codecs = [moment_codec(self.group["states"], kind, layout) for kind in kinds]
-        return self.rounds_weights or any(codec.stochastic for codec in codecs)
+        draws = self._draws.get(layout)
+        if draws is None:
+            codecs = self.moment_codecs(layout).values()
+            draws = self._draws[layout] = self.rounds_weights or any(codec.stochastic for codec in codecs)
+        return draws
 
 
 def layout_options(group: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(group.get(key) for key in LAYOUT_OPTIONS)
+    return tuple(map(group.get, LAYOUT_OPTIONS))
 
 
 def make_plan(
