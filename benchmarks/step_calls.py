@@ -9,6 +9,7 @@ running code switches file, and the functions called most.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from collections import Counter
 from pathlib import Path
@@ -65,7 +66,7 @@ def main() -> None:
         optimizer.step()
         calls = count_calls(optimizer, TORCH_OPTIM if name == "torch_adamw" else SLIMOPT)
         files = [file for file, _ in calls]
-        switches = sum(1 for before, after in zip(files, files[1:]) if before != after)
+        switches = sum(1 for before, after in itertools.pairwise(files) if before != after)
         codec = sum(1 for _, function in calls if function == "moment_codec")
         print(f"| {name} | {len(calls)} | {len(set(files))} | {switches} | {codec} |")
         for (file, function), count in Counter(calls).most_common(args.top):

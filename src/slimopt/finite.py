@@ -123,6 +123,8 @@ class Decisions:
     def skipped(self) -> list[Any]:
         """The updates whose recorded flag was False; waits
         only for the copies started by ``close_step`` (an earlier step's work)."""
+        if not self._pending and not self._copies:
+            return []
         self.close_step()
         skipped = []
         for updates, stacked, event in self._copies:

@@ -184,9 +184,10 @@ class GaLoreOptimizer(Optimizer):
                 ready.append(update)
         # A finite gradient can overflow when projected: projected ones are decided again.
         projected = [update for update in ready if update.basis is not None]
-        again = combined([update.verdict for update in projected], decide(projected))
-        for update, verdict in zip(projected, again, strict=True):
-            update.verdict = verdict
+        if projected:
+            again = combined([update.verdict for update in projected], decide(projected))
+            for update, verdict in zip(projected, again, strict=True):
+                update.verdict = verdict
         with kernels.compile_settings():
             for update in apply_together(ready, self._decisions):
                 with self._probe("update"):
