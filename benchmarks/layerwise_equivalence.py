@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 import slimopt
+from slimopt.models import build_llama
 from slimopt.train.data import BYTE_VOCAB, read_bytes
-from slimopt.train.models import build_llama
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 NAMES = ["adamw", "galore_adamw", "galore_adamw8bit", "galore_adamw_ternary"]

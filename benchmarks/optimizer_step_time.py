@@ -14,7 +14,7 @@ import time
 import torch
 
 import slimopt
-from slimopt.train.models import build_llama
+from slimopt.models import build_llama
 
 
 def median_step_seconds(name: str, steps: int = 25, warmup: int = 5) -> float:

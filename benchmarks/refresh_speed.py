@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 
 from slimopt import GaLoreAdamW, state_nbytes
+from slimopt.models import LLAMA_PRESETS
 from slimopt.projection import compute_basis, sides
-from slimopt.train.models import LLAMA_PRESETS
 
 VOCAB = 32000
 

@@ -27,8 +27,8 @@ import torch
 
 from benchmarks.refresh_speed import llama_parameters, timed
 from slimopt import build_optimizer
+from slimopt.models import LLAMA_PRESETS
 from slimopt.train.bench import state_bytes
-from slimopt.train.models import LLAMA_PRESETS
 
 
 class _Params(torch.nn.Module):

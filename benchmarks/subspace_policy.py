@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from slimopt import build_optimizer
+from slimopt.models import build_llama
 from slimopt.train.data import BYTE_VOCAB, read_bytes, sample_batch
-from slimopt.train.models import build_llama
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"

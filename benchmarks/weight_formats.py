@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from benchmarks.architectures import Task, corpus_bytes, decoder, lm_task, relative, sweep
-from slimopt.train.models import build_llama
+from slimopt.models import build_llama
 from slimopt.weight_formats import optimizer_options, quantize_weights
 
 OPTIMIZERS = ("adamw", "taco", "adamw_ternary", "apollo_mini")

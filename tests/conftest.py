@@ -93,8 +93,8 @@ def shakespeare_tokens() -> torch.Tensor:
 
 def tiny_llama(seed: int = 0, dims: tuple[int, int, int, int] = (64, 172, 4, 2)) -> torch.nn.Module:
     """A two-layer LlamaForCausalLM over bytes, deterministic for ``seed``."""
+    from slimopt.models import build_llama
     from slimopt.train.data import BYTE_VOCAB
-    from slimopt.train.models import build_llama
 
     torch.manual_seed(seed)
     return build_llama(dims, BYTE_VOCAB, max_seq_len=128)

@@ -372,7 +372,7 @@ def test_device_cuda_without_a_gpu_is_refused(workspace, tmp_path, capsys, monke
 
 @pytest.mark.parametrize(("preset", "rank"), [("llama_9m", 32), ("llama_60m", 128), ("llama_1b", 512)])
 def test_the_default_rank_is_a_quarter_of_the_hidden_size(preset: str, rank: int, capsys) -> None:
-    from slimopt.train.models import LLAMA_PRESETS
+    from slimopt.models import LLAMA_PRESETS
 
     assert LLAMA_PRESETS[preset][0] == 4 * rank
     assert main(["memory", "--model", preset, "--optimizer", "galore_adamw", "--vocab-size", "512"]) == 0

@@ -113,7 +113,7 @@ def _mark(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def _model() -> torch.nn.Module:
-    from slimopt.train.models import build_llama
+    from slimopt.models import build_llama
 
     torch.manual_seed(0)
     return build_llama((64, 172, 4, 2), 257, max_seq_len=32)

@@ -39,7 +39,7 @@ APOLLO_OPTIONS = {"apollo_adamw": OPTIONS, "apollo_mini": {"update_proj_gap": 3,
 
 
 def _model(name: str = "") -> torch.nn.Module:
-    from slimopt.train.models import build_llama
+    from slimopt.models import build_llama
 
     torch.manual_seed(0)
     model = build_llama(DIMS, VOCAB, max_seq_len=32)
@@ -498,7 +498,7 @@ def test_checkpoint_load_refuses_another_model_or_optimizer(tmp_path) -> None:
     checkpoint.save(tmp_path / "ckpt", model, optimizer)
     with pytest.raises(ValueError, match="no checkpoint directory"):
         checkpoint.load(tmp_path / "missing", model, optimizer)
-    from slimopt.train.models import build_llama
+    from slimopt.models import build_llama
 
     other = build_llama(DIMS, VOCAB + 1, max_seq_len=32)
     with pytest.raises(

@@ -78,7 +78,7 @@ def test_the_planner_predicts_the_cuda_peak_of_compressed_weights(dtype: str) ->
 
 def test_int8_weights_train_on_cuda() -> None:
     import slimopt
-    from slimopt.train.models import build_llama
+    from slimopt.models import build_llama
     from slimopt.weight_formats import Int8Weight, quantize_weights
 
     torch.manual_seed(0)

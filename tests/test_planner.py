@@ -152,7 +152,7 @@ def test_live_bytes_leave_out_process_caches() -> None:
 def test_state_terms_equal_state_nbytes_of_a_real_optimizer(shakespeare_tokens, dtype) -> None:
     """bf16+8's correction is optimizer state in the plan as in state_nbytes (the plan counted
     it with the weights, train's summary and compare's "state MiB" with the state)."""
-    from slimopt.train.models import build_model
+    from slimopt.models import build_model
 
     plan = plan_memory(
         "llama_9m", "galore_adamw8bit", rank=32, basis_states="bf16", vocab_size=4096, dtype=dtype

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import slimopt
-from slimopt.train.models import build_llama
+from slimopt.models import build_llama
 from slimopt.weight_formats import (
     Int8Weight,
     dequantized_state_dict,

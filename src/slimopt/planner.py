@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from slimopt import models
 from slimopt.checks import number
 from slimopt.core.basis import is_basis_key
 from slimopt.distributed import STRATEGIES as PROCESS_STRATEGIES
@@ -172,7 +173,7 @@ def plan_memory(
 ) -> MemoryPlan:
     """Predict the memory of training ``model`` with ``optimizer`` (a registry name).
 
-    ``model`` is a LLaMA preset (``slimopt.train.models.LLAMA_PRESETS``) or a Hugging Face config
+    ``model`` is a LLaMA preset (``slimopt.models.LLAMA_PRESETS``) or a Hugging Face config
     file or directory; ``dtype`` is how the weights are stored (``slimopt.weight_formats``:
     "fp32", "bf16", "bf16+8" — bf16 and an 8-bit correction, which the optimizer keeps in its
     state and the plan counts there — or
@@ -203,11 +204,9 @@ def measure_memory(model: str, optimizer: str, *, device: str = "cpu", **setting
 def _setting(arguments: dict[str, Any]) -> dict[str, Any]:
     setting = {k: v for k, v in arguments.items() if k != "optimizer_options"}
     model, name = setting["model"], setting["optimizer"]
-    from slimopt.train.models import LLAMA_PRESETS
-
-    if model not in LLAMA_PRESETS and not Path(model).exists():
+    if model not in models.LLAMA_PRESETS and not Path(model).exists():
         raise ValueError(
-            f"unknown model {model!r}; valid: {', '.join(LLAMA_PRESETS)} or a Hugging Face config path"
+            f"unknown model {model!r}; valid: {', '.join(models.LLAMA_PRESETS)} or a Hugging Face config path"
         )
     setting["optimizer"] = resolve_name(name)
     for key in ("batch_size", "seq_len", "accumulation_steps", "vocab_size"):
@@ -242,9 +241,7 @@ def _setting(arguments: dict[str, Any]) -> dict[str, Any]:
 def build_model(setting: dict[str, Any], device: torch.device) -> nn.Module:
     """The model of a planner ``setting`` (``model``, ``vocab_size``, ``seq_len``, ``dtype``,
     ``checkpointing``) on ``device``, built directly in its dtype and in training mode
-    (``slimopt.train.models.build_model``)."""
-    from slimopt.train import models
-
+    (``slimopt.models.build_model``)."""
     with torch.device(device):
         return models.build_model(
             setting["model"],

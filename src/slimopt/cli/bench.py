@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from slimopt.cli.options import DTYPE_HELP, read_weight_dtype
-from slimopt.train.models import LLAMA_PRESETS
+from slimopt.models import LLAMA_PRESETS
 
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:

@@ -7,8 +7,8 @@ import argparse
 from slimopt.cli.options import DTYPE_HELP, OPTIMIZER_FLAGS, add_optimizer_flags, read_weight_dtype
 from slimopt.distributed import STRATEGIES
 from slimopt.layerwise import REFRESH_FROM
+from slimopt.models import LLAMA_PRESETS
 from slimopt.registry import available_optimizers
-from slimopt.train.models import LLAMA_PRESETS
 
 
 def add_memory_flags(parser: argparse.ArgumentParser) -> None:

@@ -12,9 +12,9 @@ from typing import Any
 
 from slimopt.cli.options import DTYPE_HELP, OPTIMIZER_FLAGS, add_optimizer_flags, read_weight_dtype
 from slimopt.layerwise import REFRESH_FROM
+from slimopt.models import LLAMA_PRESETS
 from slimopt.options import STORAGE_DEFAULTS
 from slimopt.registry import OPTIMIZERS, resolve_name
-from slimopt.train.models import LLAMA_PRESETS
 
 # The README's main command (the demo): three optimizers on the built-in corpus in minutes on two CPU cores.
 PRESETS: dict[str, dict[str, Any]] = {

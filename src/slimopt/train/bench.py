@@ -194,7 +194,7 @@ def write_json(rows: list[dict[str, Any]], setting: dict[str, Any], path: str | 
 
 
 def _model(name: str, device: torch.device, weights: str) -> nn.Module:
-    from slimopt.train.models import build_model
+    from slimopt.models import build_model
 
     with torch.device(device):
         return build_model(name, 32000, 2048, weights=weights)

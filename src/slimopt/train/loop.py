@@ -25,13 +25,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from slimopt import models
 from slimopt.describe import describe as describe_optimizer
 from slimopt.files import write_atomically
 from slimopt.layerwise import layerwise
 from slimopt.memory import LiveBytes, state_nbytes, state_tensors
 from slimopt.registry import rank_origin
 from slimopt.sharding import barrier, from_first, local_view
-from slimopt.train import metrics, models
+from slimopt.train import metrics
 from slimopt.train.checkpoint import checkpoint_to_resume, save_checkpoint
 from slimopt.train.config import TrainConfig, saved_config
 from slimopt.train.data import Batches, Data, prepare_data
@@ -57,7 +58,7 @@ def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
 
 def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
     """The run's model: a LLaMA preset, or a Hugging Face config file or directory
-    (``slimopt.train.models.build_model``)."""
+    (``slimopt.models.build_model``)."""
     weights = None if config.dtype == "fp32" else config.dtype  # fp32: as built, as before --dtype
     return models.build_model(
         config.model, vocab_size, config.seq_len, weights=weights, checkpointing=config.checkpointing
