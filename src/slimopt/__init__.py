@@ -12,6 +12,9 @@ weights as int8 codes that these optimizers train (``export_weights`` writes the
 """
 
 from slimopt import distributed as distributed
+
+# load_state_dict's conversions, at the path they had before they moved into the core.
+from slimopt.core import loading as loading
 from slimopt.describe import describe
 from slimopt.layerwise import LayerwiseHandle, layerwise
 from slimopt.memory import state_nbytes

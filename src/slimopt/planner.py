@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from slimopt import models
 from slimopt.checks import number
-from slimopt.core.basis import is_basis_key
+from slimopt.core.state import is_basis_key
 from slimopt.distributed import STRATEGIES as PROCESS_STRATEGIES
 from slimopt.distributed import strategy_error
 from slimopt.layerwise import check_refresh_from, layerwise

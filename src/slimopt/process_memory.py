@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from slimopt.core.basis import is_basis_key
+from slimopt.core.state import is_basis_key
 from slimopt.distributed import STRATEGIES
 
 # A decoder layer is one FSDP2 unit (``fully_shard`` per layer, then the model).

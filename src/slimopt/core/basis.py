@@ -14,24 +14,15 @@ from slimopt.codecs import state_key
 from slimopt.codecs.slicing import matrix_shape
 from slimopt.core.plan import Plan
 from slimopt.core.seeds import BASIS_STREAM, draw_seed, rounding_seed
+from slimopt.core.state import BASIS_KEYS, DRAW, STEP
 from slimopt.projection import Basis, random_basis, sides
-
-BASIS_KEYS = ("basis_left", "basis_right")
-DRAW_KEY = "basis_draw"
-
-
-def is_basis_key(key: str, *, random: bool | None = None) -> bool:
-    """Whether a state key (``basis_left``, ``basis_right.codes``, ``basis_draw``) holds part of a
-    basis: of either kind, or with ``random`` of a random projection (True) or stored factors."""
-    kinds = {None: (*BASIS_KEYS, DRAW_KEY), True: (DRAW_KEY,), False: BASIS_KEYS}[random]
-    return key.split(".")[0] in kinds
 
 
 def basis(plan: Plan, state: MutableMapping[str, Any]) -> Basis | None:
     """The fp32 basis of a projected unit (decoded from its storage, or drawn from its seed),
     or None."""
     if plan.group["proj_method"] == "random":
-        return _drawn(plan, state) if DRAW_KEY in state else None
+        return _drawn(plan, state) if DRAW in state else None
     factors = []
     for key, (shape, codec) in zip(BASIS_KEYS, plan.basis_storage, strict=True):
         stored = {part: state.get(state_key(key, part)) for part in codec.parts}
@@ -42,13 +33,13 @@ def basis(plan: Plan, state: MutableMapping[str, Any]) -> Basis | None:
 
 def draw_basis(plan: Plan, state: MutableMapping[str, Any]) -> None:
     """Make the random projection of this step the unit's basis from now on."""
-    state[DRAW_KEY] = state["step"]
+    state[DRAW] = state[STEP]
 
 
 def _drawn(plan: Plan, state: MutableMapping[str, Any]) -> Basis:
     device = plan.param.device
     generator = torch.Generator(device="cpu" if device.type == "meta" else device)
-    generator.manual_seed(draw_seed(state, state[DRAW_KEY]))
+    generator.manual_seed(draw_seed(state, state[DRAW]))
     uses = sides(matrix_shape(plan.shape), plan.group["proj_type"])
     return random_basis(matrix_shape(plan.shape), plan.group["rank"], uses, generator, plan.param)
 

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from slimopt import finite
 from slimopt.core.record import Update
+from slimopt.core.state import started
 from slimopt.core.tensors import real
 
 
@@ -17,7 +18,7 @@ def decides_on_device(update: Update) -> bool:
     device of ``finite.DECIDED_ON_DEVICE``, once its state exists (a first step creates the
     state on the host)."""
     plan = update.plan
-    return finite.decided_on_device(plan.param.device) and plan.fused and "moment_step" in update.state
+    return finite.decided_on_device(plan.param.device) and plan.fused and started(update.state)
 
 
 def decide(updates: list[Update]) -> list[bool | Tensor]:

@@ -20,6 +20,7 @@ from slimopt.core.moments import stored_parts
 from slimopt.core.outcome import NotCompiled, Outcome
 from slimopt.core.record import Update, begin
 from slimopt.core.reference import reference_update
+from slimopt.core.state import STEP
 from slimopt.core.tensors import as_matrix, matrix_of, values
 from slimopt.core.weights import update_weights_projected, weight_step
 from slimopt.kernels import adafactor
@@ -32,7 +33,7 @@ def fused_update(update: Update) -> Outcome:
     when there is one. Raises ``NotCompiled`` (nothing written) when auto mode could not
     compile it."""
     plan, state, group = update.plan, update.state, update.plan.group
-    step = state["step"]
+    step = state[STEP]
     with matrix_of(update.unit) as weights:
         moments = stored_moments(update)
         matrix = as_matrix(update.grad)
@@ -102,7 +103,7 @@ def adamw_hyperparameters(update: Update, weights: Tensor | None, device: torch.
     the update's age; without ``weights`` (a projected matrix's direction), scaled by the
     group's ``scale``."""
     rule, group = update.plan.rule, update.plan.group
-    lr = rule.step_size(group, weights, update.state["step"])
+    lr = rule.step_size(group, weights, update.state[STEP])
     scale = 1.0 if weights is not None else group["scale"]
     return kernels.hyperparameters(
         lr, group["betas"], group["eps"], group["weight_decay"], update.age, scale, device
@@ -120,7 +121,7 @@ def adafactor_hyperparameters(update: Update, device: torch.device) -> Tensor:
         clip_threshold=group["clip_threshold"],
         one_minus_beta1=0.0 if beta1 is None else 1 - beta1,
         weight_decay=group["weight_decay"],
-        step_size=update.plan.rule.unscaled_step_size(group, update.state["step"]),
+        step_size=update.plan.rule.unscaled_step_size(group, update.state[STEP]),
     )
     return adafactor.hyperparameters(scalars, device)
 

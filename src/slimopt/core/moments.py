@@ -12,17 +12,12 @@ from torch import Tensor
 
 from slimopt.codecs import state_key
 from slimopt.codecs.slicing import matrix_shape
-from slimopt.core.basis import is_basis_key
 from slimopt.core.plan import Plan
-from slimopt.core.scaling import LIMITER_KEY
 from slimopt.core.seeds import LOAD_STREAM, rounding_generator
-from slimopt.core.weights import CORRECTION_KEY
+from slimopt.core.state import KEPT, is_basis_key, started
 from slimopt.projection import Basis, projected_shape
 
 State = MutableMapping[str, Any]
-# State tensors that are neither moments nor a basis, kept as they are in any storage format:
-# APOLLO's limiter norm and bf16 weights' 8-bit correction.
-NOT_MOMENTS = (LIMITER_KEY, CORRECTION_KEY)
 
 
 def decode_all(plan: Plan, state: State, shape: torch.Size, layout: torch.Size) -> dict[str, Tensor]:
@@ -80,7 +75,7 @@ def decoded(
     number of processes) of a parameter split by rows with ``rows`` rows in all (None: not
     split); ``basis``: the unit's, for a projected one. Adafactor's factored statistics are
     returned as stored."""
-    if "moment_step" not in state:
+    if not started(state):
         return {}
     moment_parts = set()
     shape = projected_shape(matrix_shape(values), basis) if plan.projected else values
@@ -98,7 +93,7 @@ def decoded(
         if (
             isinstance(value, Tensor)
             and key not in moment_parts
-            and key not in NOT_MOMENTS
+            and key not in KEPT
             and not is_basis_key(key)
         ):
             moments[key] = value

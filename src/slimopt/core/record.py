@@ -16,6 +16,7 @@ from torch import Tensor
 from slimopt.core.moments import encode
 from slimopt.core.plan import Plan
 from slimopt.core.seeds import rounding_generator
+from slimopt.core.state import MOMENT_STEP, started
 from slimopt.core.tensors import as_matrix
 from slimopt.core.units import advance
 from slimopt.projection import Basis
@@ -60,12 +61,12 @@ def begin(update: Update, *, own_dtype: bool = False) -> None:
     grad = (update.grad if own_dtype else update.grad.float()).contiguous()
     layout = plan.layout(grad.shape)
     generator = rounding_generator(plan, state, layout)
-    if "moment_step" not in state:
+    if not started(state):
         initial = plan.rule.init_state(grad.float(), plan.group, projected=update.basis is not None)
         for key, value in initial.items():
             if key in plan.rule.moment_kinds:
                 encode(plan, state, {key: value}, generator, layout)
             else:
                 state[key] = value
-        state["moment_step"] = 0
+        state[MOMENT_STEP] = 0
     update.grad, update.layout, update.generator, update.age = grad, layout, generator, advance(state)

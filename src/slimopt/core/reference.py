@@ -10,6 +10,7 @@ from slimopt.core.moments import decode_all, encode
 from slimopt.core.outcome import Outcome
 from slimopt.core.record import Update
 from slimopt.core.scaling import limited, scaling_factor, write_scaled
+from slimopt.core.state import STEP
 from slimopt.core.tensors import as_matrix, matrix_of
 from slimopt.core.weights import update_weights, update_weights_projected, weight_step
 
@@ -24,7 +25,7 @@ def reference_update(update: Update) -> Outcome:
     direction = plan.rule.direction(update.grad, {**state, **moments}, update.age, group)
     encode(plan, state, moments, update.generator, update.layout)
     with matrix_of(update.unit) as weights:
-        lr = plan.rule.step_size(group, weights, state["step"])
+        lr = plan.rule.step_size(group, weights, state[STEP])
         if update.basis is None:
             update_weights(
                 weights, as_matrix(direction), weight_step(plan, state, weights, update.generator, lr, 1.0)

@@ -16,10 +16,11 @@ from torch import Tensor
 from slimopt import projection
 from slimopt.codecs.slicing import matrix_shape
 from slimopt.core import seeds
-from slimopt.core.basis import basis, draw_basis, is_basis_key, store_basis
+from slimopt.core.basis import basis, draw_basis, store_basis
 from slimopt.core.moments import decode_all, encode
 from slimopt.core.plan import Plan
 from slimopt.core.seeds import SUBSPACE_CHANGE_STREAM, rounding_generator
+from slimopt.core.state import MOMENT_STEP, REFRESH_OFFSET, STEP, is_basis_key, started
 from slimopt.core.tensors import as_matrix
 from slimopt.core.units import warn
 from slimopt.finite import all_finite
@@ -34,7 +35,7 @@ def refresh_due(state: State, group: dict[str, Any]) -> bool:
     (stored factors, or a random projection's draw), or its staggered gap has come round."""
     if not any(is_basis_key(key, random=group["proj_method"] == "random") for key in state):
         return True
-    return (state["step"] - state["refresh_offset"]) % group["update_proj_gap"] == 0
+    return (state[STEP] - state[REFRESH_OFFSET]) % group["update_proj_gap"] == 0
 
 
 def agreed(plan: Plan, flag: bool) -> bool:
@@ -80,7 +81,7 @@ def refresh(plan: Plan, state: State, grad: Tensor, refresh_group: Any) -> None:
     if not all(all_finite(b) for b in new if b is not None):
         warn(plan, state, "projection refresh produced non-finite values; keeping the old basis")
         return
-    if old is not None and "moment_step" in state:
+    if old is not None and started(state):
         carry_moments(plan, state, projected_shape(grad.shape, old), old, new)
     store_basis(plan, state, new)
 
@@ -88,7 +89,7 @@ def refresh(plan: Plan, state: State, grad: Tensor, refresh_group: Any) -> None:
 def redraw(plan: Plan, state: State) -> None:
     """Draw the unit's random projection anew (``proj_method="random"``); the moments stored in
     the old one follow the group's ``on_subspace_change`` ("keep", APOLLO's, or "reset")."""
-    carried = plan.group["on_subspace_change"] != "keep" and "moment_step" in state
+    carried = plan.group["on_subspace_change"] != "keep" and started(state)
     old = basis(plan, state) if carried else None
     draw_basis(plan, state)
     if old is not None:
@@ -132,4 +133,4 @@ def carry_moments(plan: Plan, state: State, shape: torch.Size, old: Basis, new: 
             moments[key] = torch.zeros_like(value)
     encode(plan, state, moments, generator, layout)
     if policy == "reset":
-        state["moment_step"] = 0
+        state[MOMENT_STEP] = 0

@@ -10,6 +10,7 @@ from slimopt.core.moments import stored_parts
 from slimopt.core.outcome import NotCompiled, Outcome
 from slimopt.core.record import Update
 from slimopt.core.seeds import rounding_generator
+from slimopt.core.state import MOMENT_STEP, STEP, started
 from slimopt.core.tensors import as_matrix, matrix_of
 from slimopt.core.units import advance
 from slimopt.core.weights import update_weights, weight_step
@@ -21,19 +22,19 @@ def update_by_row_slices(update: Update) -> Outcome:
     does not compile midway, the earlier slices having been masked by it)."""
     plan, state, group = update.plan, update.state, update.plan.group
     storages = plan.row_storages()
-    first = "moment_step" not in state
+    first = not started(state)
     if first:
         for key, storage in storages.items():
             for part, tensor in storage.allocate(plan.param.device, plan.values_shape).items():
                 state[state_key(key, part)] = tensor
-        state["moment_step"] = 0
+        state[MOMENT_STEP] = 0
     stored = {key: stored_parts(state, key, storage.sizes) for key, storage in storages.items()}
     with matrix_of(update.unit) as weights:
         grad = as_matrix(update.grad)
         update.layout = plan.layout(grad.shape)
         update.generator = rounding_generator(plan, state, update.layout)
         update.age = advance(state)
-        lr = plan.rule.step_size(group, weights, state["step"])
+        lr = plan.rule.step_size(group, weights, state[STEP])
         write = weight_step(plan, state, weights, update.generator, lr, 1.0)
         fused = not first and plan.fused
         for index, rows in slices_to_update(*weights.shape, meta=weights.is_meta):

@@ -25,12 +25,12 @@ from torch import Tensor
 
 from slimopt.codecs.slicing import row_slices, slices_to_update
 from slimopt.core.plan import Plan
+from slimopt.core.state import LIMITER
 from slimopt.core.weights import WeightStep, update_weights
 from slimopt.projection import Basis
 
 EPS = 1e-8
 # The norm of the last scaled gradient the limiter let through, a 0-d fp32 tensor.
-LIMITER_KEY = "limiter_norm"
 
 
 def scaling_factor(plan: Plan, grad: Tensor, direction: Tensor, basis: Basis) -> Tensor:
@@ -63,13 +63,13 @@ def limited(plan: Plan, state: MutableMapping[str, Any], raw: Tensor, factor: Te
     if limit is None:
         return factor
     norm = _scaled_norm(plan, raw, factor) / plan.rule.bias_correction(plan.group, age)
-    last = state.get(LIMITER_KEY)
+    last = state.get(LIMITER)
     if last is None:
-        state[LIMITER_KEY] = norm
+        state[LIMITER] = norm
         return factor
     ratio = (norm / (last + EPS)).clamp_(min=limit).div_(limit)
     limiter = torch.where(last > 0, ratio, torch.ones_like(ratio))
-    state[LIMITER_KEY] = norm / limiter
+    state[LIMITER] = norm / limiter
     return factor / limiter
 
 

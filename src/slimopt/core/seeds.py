@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from slimopt.core.plan import Plan
+from slimopt.core.state import SEED, STEP
 
 # Random streams of stochastic rounding within one step of one unit.
 UPDATE_STREAM, SUBSPACE_CHANGE_STREAM, LOAD_STREAM, BASIS_STREAM = 0, 1, 2, 3
@@ -27,13 +28,13 @@ def rounding_seed(state: MutableMapping[str, Any], stream: int) -> int:
 
 def step_seed(state: MutableMapping[str, Any]) -> int:
     """A seed unique to this unit and step."""
-    return state["seed"] * 1_000_003 + state["step"]
+    return state[SEED] * 1_000_003 + state[STEP]
 
 
 def draw_seed(state: MutableMapping[str, Any], draw: int) -> int:
     """The seed of the random projection this unit drew at step ``draw`` (``proj_method="random"``):
     every step draws it again from this seed."""
-    return state["seed"] * 1_000_003 + draw
+    return state[SEED] * 1_000_003 + draw
 
 
 def rounding_generator(

@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from slimopt import kernels, loading
+from slimopt import kernels
 from slimopt.core import basis as stored_basis
-from slimopt.core import moments, units
+from slimopt.core import loading, moments, units
 from slimopt.core.decisions import combined, decide
 from slimopt.core.hyperparameters import constructor_defaults, fill_rule_defaults
 from slimopt.core.plan import Place, Plan, PlanContext, make_plan, path_of
@@ -217,7 +217,7 @@ class GaLoreOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this optimizer, of one with another storage format, or of
-        ``torch.optim.AdamW`` (see ``slimopt.loading``); moments keep this optimizer's storage.
+        ``torch.optim.AdamW`` (see ``slimopt.core.loading``); moments keep this optimizer's storage.
 
         Raises ``ValueError`` when the state dict projects differently, comes from another
         update rule, or holds hyperparameters this optimizer rejects. Every state tensor keeps
@@ -432,7 +432,7 @@ class GaLoreOptimizer(Optimizer):
     def store_moments(self, unit: Tensor, decoded: dict[str, Tensor]) -> None:
         """Encode ``decoded`` moments (as ``decoded_state`` gives them) in this optimizer's
         storage format into the state of ``unit``, whose stored moments have been removed
-        (``slimopt.loading``, distributed checkpoints)."""
+        (``slimopt.core.loading``, distributed checkpoints)."""
         moments.store(self.plan_of(unit), self.state_of(unit), decoded)
 
     def store_basis(self, unit: Tensor, basis: Basis) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from torch import Tensor
 
 from slimopt.core.plan import Place, Plan
+from slimopt.core.state import MOMENT_STEP, REFRESH_OFFSET, SEED, SKIPS, STEP
 from slimopt.options import is_projected, sharding_errors
 from slimopt.sharding import split_by_rows
 
@@ -97,34 +98,34 @@ def start(plan: Plan, state: MutableMapping[str, Any], owner: str) -> None:
         errors = sharding_errors({**plan.group, "params": [plan.param]}, plan.rule, owner)
         if errors:
             raise ValueError("; ".join(errors))
-    state["step"] = 0
-    state["nonfinite_skips"] = 0
-    state["seed"] = plan.seed
+    state[STEP] = 0
+    state[SKIPS] = 0
+    state[SEED] = plan.seed
     if plan.projected:
         place, gap = plan.place, plan.group["update_proj_gap"]
         offset = (place.projected_ordinal * gap) // place.projected_count
-        state["refresh_offset"] = offset if plan.group["stagger"] else 0
+        state[REFRESH_OFFSET] = offset if plan.group["stagger"] else 0
 
 
 def advance(state: MutableMapping[str, Any]) -> int:
     """Count one more step of ``state``; return the age of its moments."""
-    state["step"] += 1
-    state["moment_step"] += 1
-    return state["moment_step"]
+    state[STEP] += 1
+    state[MOMENT_STEP] += 1
+    return state[MOMENT_STEP]
 
 
 def unstep(plan: Plan, state: MutableMapping[str, Any]) -> None:
     """Take back the count of a step that a non-finite gradient skipped, and report it."""
-    state["step"] -= 1
-    state["moment_step"] -= 1
+    state[STEP] -= 1
+    state[MOMENT_STEP] -= 1
     skip(plan, state, "non-finite gradient")
 
 
 def skip(plan: Plan, state: MutableMapping[str, Any], reason: str) -> None:
     """Count a skipped update of the unit and warn."""
-    state["nonfinite_skips"] += 1
+    state[SKIPS] += 1
     warn(plan, state, f"{reason}; update skipped")
 
 
 def warn(plan: Plan, state: MutableMapping[str, Any], message: str) -> None:
-    warnings.warn(f"slimopt: {plan.label} at step {state['step']}: {message}", RuntimeWarning, stacklevel=4)
+    warnings.warn(f"slimopt: {plan.label} at step {state[STEP]}: {message}", RuntimeWarning, stacklevel=4)

@@ -15,12 +15,11 @@ from torch import Tensor
 
 from slimopt.codecs.plain import round_to_bf16_stochastically
 from slimopt.core.plan import Plan
+from slimopt.core.state import CORRECTION
 from slimopt.projection import Basis, add_projected_back, project_back
 from slimopt.rules.taco import OneSparse
 from slimopt.weight_formats.corrected import corrected, split_
 from slimopt.weight_formats.int8 import Int8Weight
-
-CORRECTION_KEY = "weight_correction"
 
 
 @dataclass(frozen=True)
@@ -46,9 +45,9 @@ def weight_correction(plan: Plan, state: MutableMapping[str, Any], weights: Tens
     """The int8 correction of ``plan``'s bf16 unit in its ``state``, as the matrix ``weights``
     (the unit's matrix view). Kept in the unit's own shape, so that it splits by rows as the
     unit does; zeros, made on first use: the weights are then exactly what they hold."""
-    if CORRECTION_KEY not in state:
-        state[CORRECTION_KEY] = torch.zeros(plan.values_shape, dtype=torch.int8, device=weights.device)
-    return state[CORRECTION_KEY].view(weights.shape)
+    if CORRECTION not in state:
+        state[CORRECTION] = torch.zeros(plan.values_shape, dtype=torch.int8, device=weights.device)
+    return state[CORRECTION].view(weights.shape)
 
 
 def weight_step(

@@ -34,9 +34,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
-from slimopt.core.scaling import LIMITER_KEY
+from slimopt.core.state import CORRECTION, LIMITER, MOMENT_STEP, is_basis_key
 from slimopt.core.tensors import values as own_values
-from slimopt.core.weights import CORRECTION_KEY
 from slimopt.files import move_into_place
 from slimopt.optimizers import GaLoreOptimizer
 from slimopt.sharding import barrier, initialized, local_view, process_rank
@@ -213,7 +212,7 @@ class _OptimizerLoad:
                     tensors[key[len(OPTIMIZER) + len(name) + 1 :]] = value
             if param in self.resharded:
                 # Moments are restored after the basis they are expressed in.
-                deferred[param] = (scalars.pop("moment_step", None), tensors)
+                deferred[param] = (scalars.pop(MOMENT_STEP, None), tensors)
                 tensors = {key: value for key, value in tensors.items() if _replicated(key)}
             else:
                 tensors = {key.partition(SHARD)[0]: value for key, value in tensors.items()}
@@ -246,25 +245,25 @@ class _OptimizerLoad:
                 if not _replicated(key) and (key.endswith(shard) if shard else SHARD not in key)
             }
             values = torch.Size((saved_rows, *own_values(param).shape[1:]))
-            saved_state = {**stored, "moment_step": moment_step}
+            saved_state = {**stored, MOMENT_STEP: moment_step}
             shard = (values, rows if count > 1 else None)
             moments = optimizer.decoded_saved(param, saved_state, shard, storage)
-            if CORRECTION_KEY in stored:  # bf16 weights' 8-bit correction: rows, as the weights
-                moments[CORRECTION_KEY] = stored[CORRECTION_KEY]
+            if CORRECTION in stored:  # bf16 weights' 8-bit correction: rows, as the weights
+                moments[CORRECTION] = stored[CORRECTION]
             for key, value in moments.items():
                 pieces.setdefault(key, []).append(value[start - first : stop - first])
         moments = {key: torch.cat(parts) for key, parts in pieces.items()}
-        correction = moments.pop(CORRECTION_KEY, None)
+        correction = moments.pop(CORRECTION, None)
         optimizer.store_moments(param, moments)
-        optimizer.state[param]["moment_step"] = moment_step
+        optimizer.state[param][MOMENT_STEP] = moment_step
         if correction is not None and optimizer.plan_of(param).corrects_weights:
-            optimizer.state[param][CORRECTION_KEY] = correction
+            optimizer.state[param][CORRECTION] = correction
 
 
 def _replicated(key: str) -> bool:
     """Whether every process holds the same state tensor ``key`` of a parameter split by rows:
     its basis, and APOLLO's limiter norm (of the whole tensor)."""
-    return key.startswith("basis_") or key == LIMITER_KEY
+    return is_basis_key(key) or key == LIMITER
 
 
 def _check_optimizer(optimizer: Any) -> None:

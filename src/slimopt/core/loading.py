@@ -18,7 +18,7 @@ it. Two kinds of state dict are converted on the way in:
 
 Which parameters are projected, at what rank and on which side cannot change on load (the bases
 and moments would not fit): a difference raises ``ValueError`` naming the group. Ternary moments
-of a layout slimopt no longer writes are re-encoded or refused (``slimopt.earlier_layouts``).
+of a layout slimopt no longer writes are re-encoded or refused (``slimopt.core.earlier_layouts``).
 """
 
 from __future__ import annotations
@@ -29,15 +29,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
-from slimopt.core.moments import NOT_MOMENTS
-from slimopt.core.scaling import LIMITER_KEY
-from slimopt.core.weights import CORRECTION_KEY
-from slimopt.earlier_layouts import carried_over
-
-# The optimizer these functions take: slimopt's shell (``slimopt.core.shell.GaLoreOptimizer``),
-# which calls them, so this module does not import it.
-GaLoreOptimizer = Any
+from slimopt.core.earlier_layouts import carried_over
+from slimopt.core.state import CORRECTION, COUNTERS, KEPT, MOMENT_STEP, SEED, SHELL_KEYS, SKIPS, STEP
 
 STORAGE_KEYS = ("states", "block_size", "basis_states")
 # Group options a state dict never brings: how this optimizer runs here (``fused``: on this
@@ -47,11 +42,6 @@ OWN_KEYS = ("fused", "param_rounding")
 # differentiable set to True are refused first).
 TORCH_ADAM_ONLY = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
 TORCH_ADAM_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}
-# State that every slimopt parameter keeps whatever its rule: counts, seeds, refresh schedule, basis.
-# (``basis_draw``: the step a random projection was drawn at.)
-COUNTERS = ("step", "moment_step", "nonfinite_skips", "seed", "refresh_offset", "basis_draw")
-# LIMITER_KEY: APOLLO's; CORRECTION_KEY: bf16 weights' 8-bit correction (param_rounding="corrected").
-SHELL_KEYS = {*COUNTERS, "basis_left", "basis_right", LIMITER_KEY, CORRECTION_KEY}
 
 
 def is_slimopt_state_dict(state_dict: dict[str, Any]) -> bool:
@@ -59,7 +49,7 @@ def is_slimopt_state_dict(state_dict: dict[str, Any]) -> bool:
     return all("states" in group for group in state_dict["param_groups"])
 
 
-def prepared(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+def prepared(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` as ``optimizer.load_state_dict`` loads it: checked for its groups and
     layout (``ValueError`` otherwise), torch.optim.AdamW's converted, options newer than it
     filled in, counters as integers, and each group's ``OWN_KEYS`` the optimizer's own."""
@@ -76,7 +66,7 @@ def prepared(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> dict[str
     return carried_over(optimizer, state_dict)
 
 
-def check_groups(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None:
+def check_groups(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
     """Raise ``ValueError`` unless ``state_dict`` has the optimizer's number of param groups,
     each with as many parameters (as ``torch.optim.Optimizer.load_state_dict`` does), and state
     only for parameters its groups list."""
@@ -112,7 +102,7 @@ def integer_counters(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {**state_dict, "state": state}
 
 
-def check_state_keys(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None:
+def check_state_keys(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
     """Raise ``ValueError`` when a parameter's saved state holds what the update rule of its
     group would not keep (a state dict of an optimizer with another rule: TACO's sketch loaded
     into AdamW would fail at the next step instead)."""
@@ -135,7 +125,7 @@ def check_state_keys(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> 
                 )
 
 
-def _rule_keys(optimizer: GaLoreOptimizer, rule: Any, param: Tensor, group: dict[str, Any]) -> set[str]:
+def _rule_keys(optimizer: Optimizer, rule: Any, param: Tensor, group: dict[str, Any]) -> set[str]:
     """The keys of the state ``rule`` creates for ``param`` (each expert's, with experts)."""
     shape = param.shape[1:] if group["experts"] else param.shape
     gradient = torch.empty(shape, device="meta")
@@ -150,7 +140,7 @@ def _root(key: str) -> str:
     return parts[0]
 
 
-def from_torch_adam(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+def from_torch_adam(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` of ``torch.optim.AdamW`` (or ``Adam`` without weight decay) rewritten as a
     slimopt state dict with fp32 moments for ``optimizer``. Raises ``ValueError`` for a state
     dict of another optimizer, options slimopt does not compute, or saved moments of a projected
@@ -188,13 +178,13 @@ def from_torch_adam(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> d
                 "the moments afresh"
             )
         step = int(saved_state.get("step", 0))
-        converted: dict[str, Any] = {"step": step, "moment_step": step, "nonfinite_skips": 0, "seed": ordinal}
+        converted: dict[str, Any] = {STEP: step, MOMENT_STEP: step, SKIPS: 0, SEED: ordinal}
         for key in ("exp_avg", "exp_avg_sq"):
             if key in saved_state:
                 moment = saved_state[key]
                 converted[key] = (torch.view_as_real(moment) if moment.is_complex() else moment).float()
         if "exp_avg" not in converted:
-            del converted["moment_step"]
+            del converted[MOMENT_STEP]
         state[saved_id] = converted
     return {"state": state, "param_groups": groups}
 
@@ -219,7 +209,7 @@ def _check_torch_adam_group(index: int, group: dict[str, Any]) -> None:
         )
 
 
-def fill_new_options(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+def fill_new_options(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` with the projection and storage options its groups lack (a checkpoint
     written before an option existed) taken from the optimizer's groups."""
     options = _options()
@@ -238,7 +228,7 @@ def _options() -> set[str]:
     return {*PROJECTION_DEFAULTS, *STORAGE_DEFAULTS, "rule"}
 
 
-def check_layout(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None:
+def check_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
     """Raise ``ValueError`` when the state dict's groups project differently from the optimizer's
     or were written by an optimizer with another update rule."""
     for index, (saved, current) in enumerate(
@@ -261,7 +251,7 @@ def check_layout(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None
                 )
 
 
-def drop_corrections(optimizer: GaLoreOptimizer) -> None:
+def drop_corrections(optimizer: Optimizer) -> None:
     """Remove the weight corrections loaded for parameters of groups that keep none (their
     ``param_rounding`` is not "corrected"): the weights keep their own values."""
     for group in optimizer.param_groups:
@@ -269,11 +259,11 @@ def drop_corrections(optimizer: GaLoreOptimizer) -> None:
             continue
         for param in group["params"]:
             state = optimizer.state.get(param, {})
-            for key in [key for key in state if _root(key) == CORRECTION_KEY]:
+            for key in [key for key in state if _root(key) == CORRECTION]:
                 del state[key]
 
 
-def restore_storage(optimizer: GaLoreOptimizer, storage: list[dict[str, Any]]) -> None:
+def restore_storage(optimizer: Optimizer, storage: list[dict[str, Any]]) -> None:
     """Re-encode the loaded moments and bases of each group whose storage differs from
     ``storage`` (the loading optimizer's own choice per group), and adopt that storage."""
     for group, wanted in zip(optimizer.param_groups, storage, strict=True):
@@ -290,7 +280,7 @@ def restore_storage(optimizer: GaLoreOptimizer, storage: list[dict[str, Any]]) -
         for unit, moments, basis in contents:
             state = optimizer.state_of(unit)
             # Moments and bases are stored anew; APOLLO's limiter norm and a weight correction stay.
-            for key in [k for k, v in state.items() if isinstance(v, Tensor) and k not in NOT_MOMENTS]:
+            for key in [k for k, v in state.items() if isinstance(v, Tensor) and k not in KEPT]:
                 del state[key]
             if moments:
                 optimizer.store_moments(unit, moments)
@@ -298,7 +288,7 @@ def restore_storage(optimizer: GaLoreOptimizer, storage: list[dict[str, Any]]) -
                 optimizer.store_basis(unit, basis)
 
 
-def load_state_dict(optimizer: GaLoreOptimizer, state_dict: dict[str, Any]) -> None:
+def load_state_dict(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
     """``optimizer.load_state_dict``'s work (see its docstring): torch.optim's hooks run around
     slimopt's own checks and conversions (a pre hook may rewrite the state dict before it is
     checked, a post hook sees the loaded state); every state tensor keeps its saved dtype."""

@@ -22,6 +22,7 @@ from slimopt.codecs import moment_codec, moment_formats, state_key
 from slimopt.codecs.rows import row_sliced_storage
 from slimopt.codecs.slicing import sliced
 from slimopt.codecs.ternary import MIN_SCALED_LENGTH
+from slimopt.core.state import SEED
 from slimopt.sharding import is_sharded
 
 # How to bring a state dict that cannot be read over: decoded by the slimopt that wrote it, it
@@ -102,7 +103,7 @@ def _restored(
     experts, rows, cols = shape
     flat = torch.Size((experts, rows * cols))
     states, block_size = group["states"], group["block_size"]
-    generator = torch.Generator().manual_seed(int(saved.get("seed", 0)))
+    generator = torch.Generator().manual_seed(int(saved.get(SEED, 0)))
     restored = dict(saved)
     for moment, kind in kinds.items():
         if by_slices:
