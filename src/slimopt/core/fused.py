@@ -78,7 +78,8 @@ def fused_step(
     draws = sum(storage.stochastic for _, storage, _ in moments.values())
     draws += weights is not None and plan.rounds_weights
     seeds = tuple(stream_seed(update.generator, device) for _ in range(draws))
-    factored = (state["exp_avg_sq_row"], state["exp_avg_sq_col"]) if "exp_avg_sq_row" in state else None
+    keys = plan.rule.factored_keys
+    factored = tuple(state[key] for key in keys) if keys and keys[0] in state else None
     grad = grad.contiguous()
     try:
         if plan.rule.fused == "adafactor":

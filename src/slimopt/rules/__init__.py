@@ -28,6 +28,9 @@ class UpdateRule(Protocol):
     # whether each element's update depends only on that element (then a large matrix may be
     # updated a slice of rows at a time)
     elementwise: bool
+    # statistics the rule keeps as they are, not through a codec, when it factors its second
+    # moment (Adafactor's row and column means of a matrix): their state keys, or ()
+    factored_keys: tuple[str, ...]
     # which fused step of ``slimopt.kernels`` computes this rule ("adamw", "adafactor"), or None
     fused: str | None
     # the rule's hyperparameters besides lr and weight_decay, with their defaults: a param group

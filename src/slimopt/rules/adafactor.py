@@ -29,6 +29,10 @@ def rms(tensor: Tensor) -> Tensor:
     return norm.float() / math.sqrt(tensor.numel())
 
 
+# A matrix's factored second moment: the means of its squared gradient by row and by column.
+ROW_KEY, COLUMN_KEY = "exp_avg_sq_row", "exp_avg_sq_col"
+
+
 def squared_gradient(grad: Tensor, eps: float | Tensor) -> Tensor:
     """``grad² + eps``, bounded so that no mean of it overflows: a finite gradient above ~1e19
     (its square is inf) would otherwise turn every statistic of its rows and columns to NaN."""
@@ -40,6 +44,7 @@ class AdafactorRule:
 
     moment_kinds: ClassVar[dict[str, str]] = {"exp_avg": "linear", "exp_avg_sq": "square"}
     elementwise: ClassVar[bool] = False  # factored statistics and RMS clipping span the tensor
+    factored_keys: ClassVar[tuple[str, ...]] = (ROW_KEY, COLUMN_KEY)
     fused: ClassVar[str | None] = "adafactor"
     # Hyperparameters of the rule besides lr and weight_decay, with transformers' defaults;
     # relative_step None: True exactly when lr is None.
@@ -84,8 +89,8 @@ class AdafactorRule:
         if group["beta1"] is not None:
             state["exp_avg"] = torch.zeros_like(grad)
         if grad.dim() >= 2 and not projected:
-            state["exp_avg_sq_row"] = grad.new_zeros(grad.shape[:-1])
-            state["exp_avg_sq_col"] = grad.new_zeros(grad.shape[:-2] + grad.shape[-1:])
+            state[ROW_KEY] = grad.new_zeros(grad.shape[:-1])
+            state[COLUMN_KEY] = grad.new_zeros(grad.shape[:-2] + grad.shape[-1:])
         else:
             state["exp_avg_sq"] = torch.zeros_like(grad)
         return state
@@ -93,8 +98,8 @@ class AdafactorRule:
     def direction(self, grad: Tensor, state: dict[str, Tensor], age: int, group: dict[str, Any]) -> Tensor:
         weight = math.pow(age, group["decay_rate"])  # 1 - beta2_t, with beta2_t = 1 - t^decay_rate
         squared = squared_gradient(grad, group["eps"][0])
-        if "exp_avg_sq_row" in state:
-            row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+        if ROW_KEY in state:
+            row, col = state[ROW_KEY], state[COLUMN_KEY]
             row.lerp_(squared.mean(dim=-1), weight)
             col.lerp_(squared.mean(dim=-2), weight)
             row_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)

@@ -22,6 +22,7 @@ class LionRule:
 
     moment_kinds: ClassVar[dict[str, str]] = {"exp_avg": "linear"}
     elementwise: ClassVar[bool] = True
+    factored_keys: ClassVar[tuple[str, ...]] = ()
     fused: ClassVar[str | None] = None
     # The paper's defaults (and bitsandbytes' and lion-pytorch's).
     defaults: ClassVar[dict[str, Any]] = {"betas": (0.9, 0.99)}

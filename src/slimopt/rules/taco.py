@@ -175,6 +175,7 @@ class TACORule:
 
     moment_kinds: ClassVar[dict[str, str]] = {}  # its state is its own, not a codec's moments
     elementwise: ClassVar[bool] = False  # a column's largest entry needs the whole column
+    factored_keys: ClassVar[tuple[str, ...]] = ()
     fused: ClassVar[str | None] = None
     # Hyperparameters of the rule besides lr and weight_decay.
     defaults: ClassVar[dict[str, Any]] = {**TACO_DEFAULTS, "transposed": False}
