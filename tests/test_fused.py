@@ -133,7 +133,7 @@ def test_codes_are_the_reference_encoding(states, numel, fused_backend) -> None:
         codec.encode(decoded[key]) for key, codec in zip(("exp_avg", "exp_avg_sq"), codecs, strict=True)
     ]
     ours = [{part: tensor.clone() for part, tensor in parts.items()} for parts in stored]
-    storages = tuple(kernels.storage_of(codec) for codec in codecs)
+    storages = tuple(codec.storage for codec in codecs)
     tables = tuple(codec.tables(torch.device("cpu")) for codec in codecs)
     hyper = kernels.hyperparameters(1e-3, (0.9, 0.999), 1e-8, 0.0, 7, 1.0, "cpu")
     fused_direction = kernels.adamw_step(grad.view(1, -1), tuple(ours), storages, tables, hyper, None).view(
@@ -349,7 +349,7 @@ def test_stochastic_formats_draw_what_the_reference_draws(states, shape, fused_b
     expected = [codec.encode(decoded[key], rounding) for key, codec in zip(keys, codecs, strict=True)]
 
     ours = [{part: tensor.clone() for part, tensor in parts.items()} for parts in stored]
-    storages = tuple(kernels.storage_of(codec) for codec in codecs)
+    storages = tuple(codec.storage for codec in codecs)
     rounding = torch.Generator().manual_seed(11)
     seeds = tuple(stream_seed(rounding, torch.device("cpu")) for storage in storages if storage.stochastic)
     hyper = kernels.hyperparameters(1e-3, (0.9, 0.999), 1e-8, 0.0, 7, 1.0, "cpu")

@@ -11,7 +11,7 @@
   projected back by a matmul, scaled (2) and subtracted.
 - Per tensor with stochastically rounded moments, one seed draw (randint) per such moment (bf16:
   2, ternary: 1); a ternary moment is encoded in three more compiled regions (row and column
-  scales, block exponents, digits: ``slimopt.kernels.formats``), each a pass that Inductor
+  scales, block exponents, digits: ``slimopt.codecs.storage``), each a pass that Inductor
   would otherwise fuse with the next into slower loops.
 - Tensors under 4096 elements (norms, biases: fp32 moments in every storage format) share one
   compiled region per step, not one each, plus 1 to stack their step sizes

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from slimopt.checks import FLOAT32_MAX
+from slimopt.codecs.base import Storage
 from slimopt.memory import untracked
 
 # The lookup's bucket of an fp32 number: its bits shifted right, keeping 17 bits; its key
@@ -57,6 +58,7 @@ class BlockwiseCodec:
             midpoints = (code_map[1:] + code_map[:-1]) / 2
             self._search = (code_map, _nearest_table(midpoints, floor))
         self._device_maps: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self.storage = Storage("blockwise", block_size, self.bits)
 
     def tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """The map and the nearest-code table (``_nearest_table``), on ``device``."""
@@ -66,23 +68,42 @@ class BlockwiseCodec:
         return self._device_maps[device]
 
     def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
-        _, table = self.tables(value.device)
-        blocks = _blocks(value, self.block_size)
-        absmax = blocks.abs().amax(dim=1).clamp_(max=FLOAT32_MAX)
-        normalized = (blocks / torch.where(absmax > 0, absmax, 1.0).unsqueeze(1)).reshape(-1)
-        codes = nearest_codes(normalized, table).to(torch.uint8)
-        if self.bits == 4:
-            codes = codes[0::2] | (codes[1::2] << 4)
+        flat, size = value.reshape(-1).float(), self.block_size
+        # A whole number of blocks is viewed, not padded: no copy of a large moment.
+        blocks = blocks_of(flat, size) if flat.numel() % size else flat.view(-1, size)
+        codes, absmax = quantize(blocks, self.storage, self.tables(value.device))
         return {"codes": codes, "absmax": absmax}
 
     def decode(self, stored: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
-        values, _ = self.tables(stored["codes"].device)
         codes = stored["codes"]
-        if self.bits == 4:
-            codes = torch.stack([codes & 15, codes >> 4], dim=1).reshape(-1)
-        # int32 indices: half the memory traffic of the int64 ones plain indexing makes.
-        blocks = values.index_select(0, codes.int()).view(-1, self.block_size) * stored["absmax"].unsqueeze(1)
-        return _unblock(blocks, shape)
+        blocks = dequantize(codes, stored["absmax"], self.storage, self.tables(codes.device))
+        return blocks.reshape(-1)[: shape.numel()].view(shape)
+
+
+def quantize(blocks: Tensor, storage: Storage, tables: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+    """The codes (uint8; two 4-bit codes to a byte) and the fp32 absmax of the fp32 ``blocks``
+    (blocks × block size), by the map and the nearest-code table of ``tables``."""
+    absmax = blocks.abs().amax(dim=1).clamp_(max=FLOAT32_MAX)
+    normalized = (blocks / torch.where(absmax > 0, absmax, 1.0).unsqueeze(1)).reshape(-1)
+    codes = nearest_codes(normalized, tables[1]).to(torch.uint8)
+    if storage.bits == 4:
+        codes = codes[0::2] | (codes[1::2] << 4)
+    return codes, absmax
+
+
+def dequantize(codes: Tensor, absmax: Tensor, storage: Storage, tables: tuple[Tensor, ...]) -> Tensor:
+    """The fp32 blocks (blocks × block size, padding included) that ``codes`` and ``absmax``
+    stand for."""
+    if storage.bits == 4:
+        codes = torch.stack([codes & 15, codes >> 4], dim=1).reshape(-1)
+    # int32 indices: half the memory traffic of the int64 ones plain indexing makes.
+    values = tables[0].index_select(0, codes.reshape(-1).int())
+    return values.view(-1, storage.block_size) * absmax.unsqueeze(1)
+
+
+def blocks_of(flat: Tensor, block_size: int) -> Tensor:
+    """The fp32 vector ``flat`` zero-padded to whole blocks, as (blocks, block_size)."""
+    return torch.nn.functional.pad(flat, (0, -flat.numel() % block_size)).view(-1, block_size)
 
 
 def nearest_codes(normalized: Tensor, table: Tensor) -> Tensor:
@@ -130,16 +151,3 @@ def _to_keys(bits: Tensor) -> Tensor:
     their buckets ascending with the value: the low bits, reversed for negative numbers (all
     ones from the sign shift). Returns ``bits``."""
     return bits.bitwise_xor_(bits.bitwise_right_shift(31)).bitwise_and_(KEY_MASK)
-
-
-def _blocks(value: Tensor, block_size: int) -> Tensor:
-    """``value`` flattened, zero-padded to whole blocks, as (blocks, block_size) fp32."""
-    flat = value.reshape(-1).float()
-    padding = -flat.numel() % block_size
-    if padding:
-        flat = torch.cat([flat, flat.new_zeros(padding)])
-    return flat.view(-1, block_size)
-
-
-def _unblock(blocks: Tensor, shape: torch.Size) -> Tensor:
-    return blocks.reshape(-1)[: shape.numel()].view(shape)

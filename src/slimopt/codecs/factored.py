@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from slimopt.checks import FLOAT32_MAX
+from slimopt.codecs.base import Storage
 
 
 class FactoredCodec:
@@ -22,13 +23,23 @@ class FactoredCodec:
 
     parts = ("row", "col")
     stochastic = False
+    storage = Storage("factored")
 
     def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
-        value = value.float()
-        ceiling = FLOAT32_MAX / max(value.shape[-1], value.shape[-2])
-        return {"row": value.mean(dim=-1).clamp_(max=ceiling), "col": value.mean(dim=-2).clamp_(max=ceiling)}
+        row, col = means(value.float())
+        return {"row": row, "col": col}
 
     def decode(self, stored: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
-        row, col = stored["row"], stored["col"]
-        total = row.mean(dim=-1, keepdim=True)
-        return (row / torch.where(total > 0, total, 1.0)).unsqueeze(-1) * col.unsqueeze(-2)
+        return product(stored["row"], stored["col"])
+
+
+def means(value: Tensor) -> tuple[Tensor, Tensor]:
+    """The stored row and column means of the fp32 ``value``, saturated."""
+    ceiling = FLOAT32_MAX / max(value.shape[-1], value.shape[-2])
+    return value.mean(dim=-1).clamp_(max=ceiling), value.mean(dim=-2).clamp_(max=ceiling)
+
+
+def product(row: Tensor, col: Tensor) -> Tensor:
+    """The rank-1 matrix whose row and column means are ``row`` and ``col``."""
+    total = row.mean(dim=-1, keepdim=True)
+    return (row / torch.where(total > 0, total, 1.0)).unsqueeze(-1) * col.unsqueeze(-2)

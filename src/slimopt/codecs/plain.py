@@ -7,9 +7,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from slimopt.codecs.base import Storage
 from slimopt.codecs.draws import draw_indices, random_words, stream_seed
-
-# Compressed codecs saturate infinite moments to this: a scale of inf would decode 0 · inf = NaN.
 
 
 class Fp32Codec:
@@ -17,6 +16,7 @@ class Fp32Codec:
 
     parts = ("",)
     stochastic = False
+    storage = Storage()
 
     def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         return {"": value}
@@ -30,6 +30,11 @@ def round_to_bf16_stochastically(value: Tensor, generator: torch.Generator | Non
     fp32 mantissa bits that bf16 drops are compared with 16 random bits (the next stream of
     ``generator``, ``slimopt.codecs.draws``)."""
     return round_to_bf16_with_stream(value, stream_seed(generator, value.device))
+
+
+def round_to_bf16(value: Tensor, seed: Tensor | None) -> Tensor:
+    """``value`` in bf16: stochastically with draws of stream ``seed``, else to nearest."""
+    return value.to(torch.bfloat16) if seed is None else round_to_bf16_with_stream(value, seed)
 
 
 def round_to_bf16_with_stream(value: Tensor, seed: Tensor) -> Tensor:
@@ -49,6 +54,7 @@ class Bf16Codec:
 
     parts = ("",)
     stochastic = True
+    storage = Storage("bf16")
 
     def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         return {"": round_to_bf16_stochastically(value, generator)}

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from slimopt.checks import FLOAT32_MAX
+from slimopt.codecs.base import Storage
 from slimopt.codecs.draws import stream_seed, uniform
 from slimopt.codecs.slicing import matrix_shape
 from slimopt.memory import untracked
@@ -46,16 +47,15 @@ from slimopt.memory import untracked
 TRITS_PER_BYTE = 5
 EXPONENT_STEPS_PER_OCTAVE = 4
 
-_POWERS_OF_THREE = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8)
 # _DIGITS[b] are the five ternary digits of byte b, least significant first.
 _DIGITS = torch.stack([(torch.arange(256) // 3**k) % 3 for k in range(TRITS_PER_BYTE)], dim=1).to(torch.uint8)
 
 
 @cache
-def _tables(device: torch.device) -> tuple[Tensor, Tensor]:
-    """(powers of three, digits of every byte) on ``device``, copied there once."""
+def _digit_table(device: torch.device) -> Tensor:
+    """The digits of every byte on ``device``, copied there once."""
     with untracked():  # a cache for the whole process, not memory of a training step
-        return _POWERS_OF_THREE.to(device), _DIGITS.to(device)
+        return _DIGITS.to(device)
 
 
 def nonzero_scale(scale: Tensor) -> Tensor:
@@ -109,58 +109,131 @@ class TernaryCodec:
         self.row_scale = row_scale
         self.col_scale = col_scale
         self.parts = ("trits", "exponents") + ("row",) * row_scale + ("col",) * col_scale
+        self.storage = Storage("ternary", block_size, row_scale=row_scale, col_scale=col_scale)
 
     def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
-        stored: dict[str, Tensor] = {}
-        rows, cols = scaled_shape(value.shape)
-        normalized = value.float().reshape(rows, cols).clamp(-FLOAT32_MAX, FLOAT32_MAX)
-        if self.row_scale:
-            stored["row"] = normalized.abs().amax(dim=1)
-            normalized.div_(nonzero_scale(stored["row"]).unsqueeze(1))
-        if self.col_scale:
-            stored["col"] = normalized.abs().amax(dim=0)
-            normalized.div_(nonzero_scale(stored["col"]))
-        grid_rows, grid_cols = grid(rows, cols)
-        blocks = _pad_rows(normalized.view(grid_rows, grid_cols), self.block_size)
-        blocks = blocks.view(-1, self.block_size, grid_cols)
-        block_max = blocks.abs().amax(dim=1)
-        exponents = torch.ceil(-EXPONENT_STEPS_PER_OCTAVE * torch.log2(block_max)).clamp_(0, 255)
-        # log2 rounding must not leave the scale below the block maximum.
-        exponents = torch.where(exponent_scale(exponents) < block_max, exponents - 1, exponents)
-        stored["exponents"] = exponents.to(torch.uint8).view(-1)
-        blocks.div_(exponent_scale(exponents).unsqueeze(1))
-        stored["trits"] = _ternarize(blocks.view(-1, grid_cols)[:grid_rows], generator)
-        return stored
+        matrix = value.float().reshape(scaled_shape(value.shape))
+        row, col = line_scales(matrix, self.storage)
+        stored = {"row": row, "col": col}
+        normalized = normalized_by_lines(matrix, row, col)
+        stored["exponents"], scales = block_exponents(normalized, self.block_size)
+        seed = stream_seed(generator, normalized.device)
+        stored["trits"] = packed_trits(normalized, scales, self.block_size, seed)
+        return {part: value for part, value in stored.items() if value is not None}
 
     def decode(self, stored: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
         rows, cols = scaled_shape(shape)
         grid_rows, grid_cols = grid(rows, cols)
         trits = stored["trits"].view(-1, grid_cols)
-        digits = _tables(trits.device)[1].index_select(0, trits.reshape(-1).int())
+        # A table lookup of each byte's five digits: in eager PyTorch faster than the arithmetic
+        # of ``digits_by_arithmetic``, which a compiled loop vectorizes instead (same digits).
+        digits = _digit_table(trits.device).index_select(0, trits.reshape(-1).int())
         # (bytes, columns, digit) → rows in order: digit k of byte row a is row 5a + k.
         digits = digits.view(-1, grid_cols, TRITS_PER_BYTE).transpose(1, 2).reshape(-1, grid_cols)
         signs = digits[:grid_rows].float().sub_(1)
         scales = exponent_scale(stored["exponents"].view(-1, grid_cols).float())
         scales = scales.repeat_interleave(self.block_size, dim=0)[:grid_rows]
         values = (signs * scales).view(rows, cols)
-        if self.row_scale:
-            values = values * stored["row"].unsqueeze(1)
-        if self.col_scale:
-            values = values * stored["col"]
-        return values.view(shape)
+        return scaled_by_lines(values, stored.get("row"), stored.get("col")).view(shape)
+
+
+# Encoding is three passes over the moment, each ending in a reduction of its own shape: the row
+# and column scales, the blocks' exponents, the digits packed to bytes. The codec runs them in
+# order; the fused step compiles each on its own (``slimopt.kernels``): compiled as one function,
+# Inductor fuses them into loops that recompute across them, four times slower
+# (docs/results/storage.md). Each pass divides the moment by the scales the passes before it
+# found, rather than reading a divided copy: the scales are vectors along a row, so this costs
+# no more than reading a copy, and no matrix-sized temporary outlives a pass.
+
+
+def line_scales(matrix: Tensor, storage: Storage) -> tuple[Tensor | None, Tensor | None]:
+    """The row scales (row maxima) and the column scales (column maxima of the row-normalized
+    matrix) of the fp32 ``matrix`` that ``storage`` keeps; None for one it does not."""
+    normalized = matrix.clamp(-FLOAT32_MAX, FLOAT32_MAX)
+    row = col = None
+    if storage.row_scale:
+        row = normalized.abs().amax(dim=1)
+        normalized.div_(nonzero_scale(row).unsqueeze(1))
+    if storage.col_scale:
+        col = normalized.abs().amax(dim=0)
+    return row, col
+
+
+def normalized_by_lines(matrix: Tensor, row: Tensor | None, col: Tensor | None) -> Tensor:
+    """``matrix``, saturated, divided by its row and column scales (a new tensor)."""
+    normalized = matrix.clamp(-FLOAT32_MAX, FLOAT32_MAX)
+    if row is not None:
+        normalized.div_(nonzero_scale(row).unsqueeze(1))
+    if col is not None:
+        normalized.div_(nonzero_scale(col))
+    return normalized
+
+
+def scaled_by_lines(values: Tensor, row: Tensor | None, col: Tensor | None) -> Tensor:
+    """Decoded ``values`` times their row and column scales."""
+    if row is not None:
+        values = values * row.unsqueeze(1)
+    if col is not None:
+        values = values * col
+    return values
+
+
+def block_exponents(normalized: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """The exponent codes (uint8, flat) of the blocks of the normalized matrix, and the scales
+    they stand for (blocks × columns of the grid), which ``packed_trits`` divides by."""
+    grid_rows, grid_cols = grid(*normalized.shape)
+    blocks = _pad_rows(normalized.reshape(grid_rows, grid_cols), block_size)
+    block_max = blocks.view(-1, block_size, grid_cols).abs().amax(dim=1)
+    exponents = torch.ceil(-EXPONENT_STEPS_PER_OCTAVE * torch.log2(block_max)).clamp_(0, 255)
+    # log2 rounding must not leave the scale below the block maximum.
+    exponents = torch.where(exponent_scale(exponents) < block_max, exponents - 1, exponents)
+    return exponents.to(torch.uint8).view(-1), exponent_scale(exponents)
+
+
+def packed_trits(normalized: Tensor, scales: Tensor, block_size: int, seed: Tensor) -> Tensor:
+    """The digits of the normalized matrix divided by its blocks' ``scales``, stochastically
+    rounded with draws of stream ``seed`` (element i of the grid in row-major order takes draw
+    i), five grid rows to a byte row. Divides ``normalized`` in place."""
+    grid_rows, grid_cols = grid(*normalized.shape)
+    scaled = normalized.view(grid_rows, grid_cols).div_(_by_grid_row(scales, block_size, grid_rows))
+    draws = uniform(seed, scaled.numel()).view(grid_rows, grid_cols)
+    # Digits 0, 1, 2 stand for -1, 0, +1.
+    digits = torch.where(draws < scaled.abs(), scaled.sign(), 0.0).add_(1).to(torch.uint8)
+    digits = _pad_rows(digits, TRITS_PER_BYTE).view(-1, TRITS_PER_BYTE, grid_cols)
+    packed = digits[:, 0]
+    for k in range(1, TRITS_PER_BYTE):
+        packed = packed + digits[:, k] * 3**k
+    return packed.view(-1)
+
+
+def digits_by_arithmetic(trits: Tensor, grid_rows: int, grid_cols: int) -> Tensor:
+    """The digits (0, 1, 2 as fp32) of a grid_rows × grid_cols grid: row r is digit r mod 5 of
+    byte row r // 5. Written as float arithmetic on each row's bytes, one vector per row, so a
+    compiled loop decodes as it goes: the byte plus a half, times 3^-k, floored, is the byte's
+    leading digits exactly (a byte is below 243, so the half keeps the product at least 1/162
+    from an integer, far beyond fp32's rounding)."""
+    byte_rows = -(-grid_rows // TRITS_PER_BYTE)
+    trits = trits.view(byte_rows, grid_cols).float() + 0.5
+    trits = trits.unsqueeze(1).expand(byte_rows, TRITS_PER_BYTE, grid_cols).reshape(-1, grid_cols)[:grid_rows]
+    digit = (torch.arange(grid_rows, device=trits.device) % TRITS_PER_BYTE).unsqueeze(1)
+    inverse_power = torch.full_like(digit, 1.0, dtype=torch.float32)
+    for k in range(1, TRITS_PER_BYTE):
+        inverse_power = torch.where(digit == k, 3.0**-k, inverse_power)
+    leading = torch.floor(trits * inverse_power)
+    return leading - 3 * torch.floor((leading + 0.5) * (1 / 3))
+
+
+def block_scales(exponents: Tensor, block_size: int, grid_rows: int, grid_cols: int) -> Tensor:
+    """Each element's block scale on the grid."""
+    return _by_grid_row(exponent_scale(exponents.view(-1, grid_cols).float()), block_size, grid_rows)
+
+
+def _by_grid_row(per_block: Tensor, block_size: int, grid_rows: int) -> Tensor:
+    """A (blocks, columns) tensor on the grid's rows: row r takes block row r // block_size."""
+    blocks, grid_cols = per_block.shape
+    return per_block.unsqueeze(1).expand(blocks, block_size, grid_cols).reshape(-1, grid_cols)[:grid_rows]
 
 
 def exponent_scale(exponents: Tensor) -> Tensor:
     """The block scale each exponent code stands for: 2^(-e/4)."""
     return torch.exp2(-exponents / EXPONENT_STEPS_PER_OCTAVE)
-
-
-def _ternarize(normalized: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Stochastically round a grid of values in [-1, 1] to {-1, 0, +1} (element i of the
-    matrix, in row-major order, takes draw i); pack five rows' digits to a byte."""
-    draws = uniform(stream_seed(generator, normalized.device), normalized.numel()).view(normalized.shape)
-    # Digits 0, 1, 2 stand for -1, 0, +1.
-    digits = torch.where(draws < normalized.abs(), normalized.sign(), 0.0).add_(1).to(torch.uint8)
-    digits = _pad_rows(digits, TRITS_PER_BYTE).view(-1, TRITS_PER_BYTE, normalized.shape[1])
-    powers = _tables(digits.device)[0].view(1, TRITS_PER_BYTE, 1)
-    return (digits * powers).sum(dim=1, dtype=torch.uint8).view(-1)

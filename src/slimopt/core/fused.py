@@ -62,7 +62,7 @@ def stored_moments(update: Update) -> dict[str, kernels.Moment]:
 def fused_moment(codec: Any, parts: dict[str, Tensor], device: torch.device) -> kernels.Moment:
     """A moment as the fused step takes it: stored ``parts``, their ``Storage`` and the codec's
     lookup tables (blocks only)."""
-    storage = kernels.storage_of(codec)
+    storage = codec.storage
     return parts, storage, codec.tables(device) if storage.kind == "blockwise" else ()
 
 

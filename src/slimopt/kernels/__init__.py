@@ -8,7 +8,7 @@ OpenMP on the CPU, Triton kernels on CUDA. The reference path stays the definiti
 gives the same codes for the same fp32 values and parameters within fp32 round-off (the fused
 loops may contract a multiply and an add into one rounding).
 
-Covered: the AdamW and Adafactor rules (``adafactor``) with every storage format (``formats``),
+Covered: the AdamW and Adafactor rules (``adafactor``) with every storage format (``slimopt.codecs.storage``),
 fp32 or bf16 parameters rounded to nearest or stochastically. On CUDA, AdamW moments stored
 elementwise (fp32, bf16, 8- and 4-bit blocks) take the hand-written Triton kernel of
 ``triton_adamw`` instead: one launch per tensor, no compilation per shape; matrices with ternary
@@ -20,7 +20,7 @@ them, so they draw the same numbers. Small AdamW tensors (norms, biases) are upd
 elsewhere. Not covered (``slimopt.options.fused_unsupported`` says why): TACO's rule, complex
 parameters, tensors with more than two dimensions under ternary states or Adafactor (their
 factored statistics are over the last two). The steps take tensors, storage descriptors
-(``formats.Storage``) and scalars; which step a rule takes, and its scalars, are decided in
+(``slimopt.codecs.base.Storage``) and scalars; which step a rule takes, and its scalars, are decided in
 ``slimopt.core.fused``. ``policy`` says when the fused step is taken (auto mode, compilers),
 ``compiled`` how the steps are compiled.
 """
@@ -33,9 +33,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slimopt.kernels import formats
+from slimopt.codecs import storage as formats
+from slimopt.codecs.base import Storage, store
+from slimopt.codecs.plain import round_to_bf16
+from slimopt.kernels.arguments import Deferred, Moment, scalars
 from slimopt.kernels.compiled import compile_settings, compiled, mark_dynamic
-from slimopt.kernels.formats import Moment, Storage, scalars, storage_of
 from slimopt.kernels.policy import (
     FUSED_CHOICES,
     auto_available,
@@ -65,7 +67,6 @@ __all__ = [
     "hyperparameters",
     "resume_auto",
     "scalars",
-    "storage_of",
     "triton_step_of",
 ]
 
@@ -187,13 +188,13 @@ def adafactor_step(
     return direction
 
 
-def _encode_in_phases(deferred: tuple[formats.Deferred, ...], keep: Tensor | None) -> None:
+def _encode_in_phases(deferred: tuple[Deferred, ...], keep: Tensor | None) -> None:
     """Encode each ternary moment a compiled step left to its caller (its new value, stream,
-    stored parts and storage), one compiled phase after another (``formats``)."""
+    stored parts and storage), one compiled pass after another (``slimopt.codecs.storage``)."""
     for value, seed, parts, storage in deferred:
-        compiled(formats.ternary_scales)(value, parts, storage, keep)
-        scales = compiled(formats.ternary_exponents)(value, parts, storage, keep)
-        compiled(formats.ternary_codes)(value, scales, parts, storage, seed, keep)
+        compiled(formats.write_line_scales)(value, parts, storage, keep)
+        scales = compiled(formats.write_exponents)(value, parts, storage, keep)
+        compiled(formats.write_trits)(value, scales, parts, storage, seed, keep)
 
 
 def hyperparameters(
@@ -265,7 +266,7 @@ def _adamw_step(
     weights: Tensor | None,
     seeds: tuple[Tensor, ...],
     keep: Tensor | None,
-) -> tuple[Tensor | None, tuple[formats.Deferred, ...]]:
+) -> tuple[Tensor | None, tuple[Deferred, ...]]:
     """``adamw_step``'s compiled part: it returns the direction (None with ``weights``) and, for
     each ternary moment, its new value, stream, stored parts and storage, which the caller
     encodes in phases."""
@@ -300,11 +301,11 @@ def _adamw_step(
         if storage.kind == "ternary":
             deferred.append((value, seed, parts, storage))  # the caller encodes it in phases
         else:
-            formats.encode(value, parts, storage, table, seed, keep)
+            formats.encode_into(value, parts, storage, table, seed, keep)
     if weights is None:
         return direction if keep is None else torch.where(keep, direction, 0.0), tuple(deferred)
     target = weights.float() * decay + alpha * direction
     if weights.dtype == torch.bfloat16:
-        target = formats.round_to_bf16(target, next(streams, None))
-    formats.store(weights, target, keep)
+        target = round_to_bf16(target, next(streams, None))
+    store(weights, target, keep)
     return None, tuple(deferred)

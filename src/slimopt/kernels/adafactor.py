@@ -6,7 +6,7 @@ rows and columns, the update is clipped by its RMS over the whole tensor, and
 ``scale_parameter`` multiplies the step by the weights' RMS. Inductor turns these reductions and
 the elementwise work around them into a few loops of one compiled function, where the reference
 path runs a chain of separate operations; there is no hand-written Triton kernel for it (CUDA
-gets Inductor's Triton kernels). Moments are decoded and encoded by ``slimopt.kernels.formats``,
+gets Inductor's Triton kernels). Moments are decoded and encoded by ``slimopt.codecs.storage``,
 as the AdamW step does, so every storage format the reference path has is covered.
 """
 
@@ -17,8 +17,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from slimopt.kernels import formats
-from slimopt.kernels.formats import Moment, Storage, scalars
+from slimopt.codecs import storage as formats
+from slimopt.codecs.base import Storage, store
+from slimopt.codecs.plain import round_to_bf16
+from slimopt.kernels.arguments import Deferred, Moment, scalars
 from slimopt.rules.adafactor import rms, squared_gradient
 
 
@@ -31,7 +33,7 @@ def adafactor_step(
     weights: Tensor | None,
     seeds: tuple[Tensor, ...],
     keep: Tensor | None,
-) -> tuple[Tensor | None, tuple[formats.Deferred, ...]]:
+) -> tuple[Tensor | None, tuple[Deferred, ...]]:
     """``slimopt.kernels.adafactor_step``'s compiled part, on the fp32 matrix ``grad``.
 
     ``moments``: by key (``exp_avg`` when there is momentum, ``exp_avg_sq`` unless the second
@@ -50,8 +52,8 @@ def adafactor_step(
         new_col = torch.lerp(col, squared.mean(dim=-2), weight)
         row_factor = (new_row / new_row.mean(dim=-1, keepdim=True)).rsqrt().unsqueeze(-1)
         update = row_factor * new_col.unsqueeze(-2).rsqrt() * grad
-        formats.store(row, new_row, keep)
-        formats.store(col, new_col, keep)
+        store(row, new_row, keep)
+        store(col, new_col, keep)
         new_moments = {}
     else:
         parts, storage, table = moments["exp_avg_sq"]
@@ -72,9 +74,9 @@ def adafactor_step(
         if storage.kind == "ternary":
             deferred.append((value, seed, parts, storage))
         elif storage.kind in formats.MATRIX_KINDS:
-            formats.encode(value, parts, storage, table, seed, keep)
+            formats.encode_into(value, parts, storage, table, seed, keep)
         else:
-            formats.encode(value.reshape(-1), parts, storage, table, seed, keep)
+            formats.encode_into(value.reshape(-1), parts, storage, table, seed, keep)
     if weights is None:
         return update if keep is None else torch.where(keep, update, 0.0), tuple(deferred)
     lr = size
@@ -82,8 +84,8 @@ def adafactor_step(
         lr = rms(weights.float()).clamp(min=weights_eps) * size
     target = weights.float() * (1 - lr * weight_decay) - lr * update
     if weights.dtype == torch.bfloat16:
-        target = formats.round_to_bf16(target, next(streams, None))
-    formats.store(weights, target, keep)
+        target = round_to_bf16(target, next(streams, None))
+    store(weights, target, keep)
     return None, tuple(deferred)
 
 

@@ -3,7 +3,7 @@ bf16, 8-bit and 4-bit blocks): each program reads one block of the gradient, dec
 moments, updates them, encodes them and writes the parameter (or the direction of a projected
 matrix), so a step is one launch and one pass over memory.
 
-It computes what ``slimopt.kernels.formats`` and the reference codecs compute, operation for
+It computes what ``slimopt.codecs.storage`` and the reference codecs compute, operation for
 operation: the same lookup for the nearest code, the same counter-based draws
 (``slimopt.codecs.draws``) for stochastic rounding, indexed by element. A program covers one
 quantization block, walked as two interleaved halves (even and odd elements), so the two 4-bit
@@ -20,8 +20,8 @@ import triton.language as tl
 from torch import Tensor
 
 from slimopt.checks import FLOAT32_MAX
+from slimopt.codecs.base import Storage
 from slimopt.codecs.blockwise import KEY_BITS, KEY_MASK, LOOKUP_MASK, LOOKUP_SHIFT, THRESHOLD_MASK
-from slimopt.kernels.formats import Storage
 from slimopt.kernels.triton_parts import (
     adamw_update,
     and_writes,

@@ -34,8 +34,8 @@ import triton.language as tl
 from torch import Tensor
 
 from slimopt.checks import FLOAT32_MAX
+from slimopt.codecs.base import Storage
 from slimopt.codecs.ternary import EXPONENT_STEPS_PER_OCTAVE, TRITS_PER_BYTE, exponent_scale
-from slimopt.kernels.formats import Storage
 from slimopt.kernels.triton_parts import (
     adamw_update,
     and_writes,
