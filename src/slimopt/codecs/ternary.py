@@ -133,8 +133,9 @@ class TernaryCodec:
         signs = digits[:grid_rows].float().sub_(1)
         scales = exponent_scale(stored["exponents"].view(-1, grid_cols).float())
         scales = scales.repeat_interleave(self.block_size, dim=0)[:grid_rows]
-        values = (signs * scales).view(rows, cols)
-        return scaled_by_lines(values, stored.get("row"), stored.get("col")).view(shape)
+        # No name holds the unscaled values: each product frees the one before.
+        values = scaled_by_lines((signs * scales).view(rows, cols), stored.get("row"), stored.get("col"))
+        return values.view(shape)
 
 
 # Encoding is three passes over the moment, each ending in a reduction of its own shape: the row
@@ -195,7 +196,10 @@ def packed_trits(normalized: Tensor, scales: Tensor, block_size: int, seed: Tens
     rounded with draws of stream ``seed`` (element i of the grid in row-major order takes draw
     i), five grid rows to a byte row. Divides ``normalized`` in place."""
     grid_rows, grid_cols = grid(*normalized.shape)
-    scaled = normalized.view(grid_rows, grid_cols).div_(_by_grid_row(scales, block_size, grid_rows))
+    # Divided as blocks, the scales broadcast: no matrix-sized tensor of scales.
+    scaled = _pad_rows(normalized.view(grid_rows, grid_cols), block_size)
+    scaled.view(-1, block_size, grid_cols).div_(scales.unsqueeze(1))
+    scaled = scaled[:grid_rows]
     draws = uniform(seed, scaled.numel()).view(grid_rows, grid_cols)
     # Digits 0, 1, 2 stand for -1, 0, +1.
     digits = torch.where(draws < scaled.abs(), scaled.sign(), 0.0).add_(1).to(torch.uint8)
