@@ -49,7 +49,6 @@ TERMS = (
     "activations",
     "workspace",
 )
-PERSISTENT = ("weights", "optimizer_states", "projection_bases")
 # What a CUDA process needs beyond its tensors: the context (~0.5 GiB on recent GPUs), cuBLAS
 # workspaces and the caching allocator's rounding and fragmentation.
 CUDA_OVERHEAD_BYTES = 1 << 30

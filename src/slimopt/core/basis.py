@@ -8,12 +8,10 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from typing import Any
 
-import torch
-
 from slimopt.codecs import state_key
 from slimopt.codecs.slicing import matrix_shape
 from slimopt.core.plan import Plan
-from slimopt.core.seeds import BASIS_STREAM, draw_seed, rounding_seed
+from slimopt.core.seeds import BASIS_STREAM, draw_seed, rounding_seed, seeded_generator
 from slimopt.core.state import BASIS_KEYS, DRAW, STEP
 from slimopt.projection import Basis, random_basis, sides
 
@@ -37,9 +35,7 @@ def draw_basis(plan: Plan, state: MutableMapping[str, Any]) -> None:
 
 
 def _drawn(plan: Plan, state: MutableMapping[str, Any]) -> Basis:
-    device = plan.param.device
-    generator = torch.Generator(device="cpu" if device.type == "meta" else device)
-    generator.manual_seed(draw_seed(state, state[DRAW]))
+    generator = seeded_generator(plan.param.device, draw_seed(state, state[DRAW]))
     uses = sides(matrix_shape(plan.shape), plan.group["proj_type"])
     return random_basis(matrix_shape(plan.shape), plan.group["rank"], uses, generator, plan.param)
 
@@ -51,8 +47,7 @@ def store_basis(plan: Plan, state: MutableMapping[str, Any], new: Basis) -> None
         return
     generator = None
     if plan.group["basis_states"] == "bf16":
-        generator = torch.Generator(device="cpu" if plan.param.is_meta else plan.param.device)
-        generator.manual_seed(rounding_seed(state, BASIS_STREAM))
+        generator = seeded_generator(plan.param.device, rounding_seed(state, BASIS_STREAM))
     for key, factor, (_, codec) in zip(BASIS_KEYS, new, plan.basis_storage, strict=True):
         if factor is not None:
             for part, stored in codec.encode(factor, generator).items():

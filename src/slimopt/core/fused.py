@@ -17,9 +17,7 @@ from slimopt.codecs import MIN_COMPRESSED_NUMEL, state_key
 from slimopt.codecs.draws import stream_seed
 from slimopt.codecs.slicing import slices_to_update
 from slimopt.core.moments import stored_parts
-from slimopt.core.outcome import NotCompiled, Outcome
-from slimopt.core.record import Update, begin
-from slimopt.core.reference import reference_update
+from slimopt.core.record import NotCompiled, Outcome, Update, begin
 from slimopt.core.state import STEP
 from slimopt.core.tensors import as_matrix, matrix_of, values
 from slimopt.core.weights import update_weights_projected, weight_step
@@ -140,9 +138,9 @@ def together(update: Update) -> bool:
 
 
 def update_together(batch: list[Update]) -> list[Outcome]:
-    """Every update of ``batch`` in one ``kernels.adamw_steps`` call. Where it does not compile
-    (on CUDA: the Triton kernel) auto mode gives up the fused step and updates the batch through
-    the reference path; ``fused=True`` raises."""
+    """Every update of ``batch`` in one ``kernels.adamw_steps`` call. Raises ``NotCompiled``
+    (nothing written) when auto mode could not compile it (on CUDA: the Triton kernel);
+    ``fused=True`` raises the failure."""
     grads, moments, hypers, weights = [], [], [], []
     for update in batch:
         begin(update, own_dtype=True)
@@ -158,11 +156,7 @@ def update_together(batch: list[Update]) -> list[Outcome]:
         if any(u.plan.group["fused"] is True for u in batch):
             raise
         give_up_auto(error)
-        outcomes = []
-        for update in batch:
-            update.grad = update.grad.float()
-            outcomes.append(reference_update(update))
-        return outcomes
+        raise NotCompiled from error
     return [Outcome.TAKEN if u.keep is None else Outcome.MASKED for u in batch]
 
 

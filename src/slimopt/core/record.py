@@ -1,13 +1,15 @@
 """The record of one update of one unit: what this step brings beside the unit's ``Plan`` (its
 gradient in the basis' space, the basis, the raw gradient APOLLO scales, the device flag masking
 a fused step), and what ``begin`` adds (the fp32 gradient, the storage layout, the rounding
-generator, the moments' age).
+generator, the moments' age); and what an update path reports back to the dispatcher
+(``Outcome``, ``NotCompiled``).
 """
 
 from __future__ import annotations
 
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
@@ -40,6 +42,19 @@ class Update:
     layout: torch.Size = field(default_factory=torch.Size)
     generator: torch.Generator | None = None
     age: int = 0
+
+
+class Outcome(Enum):
+    """TAKEN: written. MASKED: written under the device flag ``Update.keep`` (counted later).
+    SKIPPED: not written, the step taken back (a flag read on the host said non-finite)."""
+
+    TAKEN = "taken"
+    MASKED = "masked"
+    SKIPPED = "skipped"
+
+
+class NotCompiled(Exception):
+    """Auto mode's fused step did not compile: nothing was written, the reference path takes over."""
 
 
 def keep_raw(update: Update, raw: Tensor | None) -> None:

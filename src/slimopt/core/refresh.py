@@ -102,8 +102,7 @@ def _compute(plan: Plan, state: State, grad: Tensor, old: Basis | None, refresh_
     generator = None
     if group["proj_method"] == "subspace":
         # Seeded by unit and step, so a resumed run draws the same random directions.
-        generator = torch.Generator()
-        generator.manual_seed(seeds.step_seed(state))
+        generator = seeds.seeded_generator(torch.device("cpu"), seeds.step_seed(state))
     sides = projection.sides(matrix_shape(plan.shape), group["proj_type"])
 
     def compute() -> Basis:

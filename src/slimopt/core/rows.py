@@ -7,8 +7,7 @@ from slimopt.codecs import state_key
 from slimopt.codecs.slicing import slices_to_update
 from slimopt.core.fused import fused_moment, fused_step
 from slimopt.core.moments import stored_parts
-from slimopt.core.outcome import NotCompiled, Outcome
-from slimopt.core.record import Update
+from slimopt.core.record import NotCompiled, Outcome, Update
 from slimopt.core.seeds import rounding_generator
 from slimopt.core.state import MOMENT_STEP, STEP, started
 from slimopt.core.tensors import as_matrix, matrix_of

@@ -49,7 +49,11 @@ def rounding_generator(
     the pair biased."""
     if not plan.draws(layout):
         return None
-    device = plan.param.device
+    return seeded_generator(plan.param.device, rounding_seed(state, stream))
+
+
+def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
+    """A generator on ``device`` (the CPU for the meta device, which draws nothing) seeded with
+    ``seed``."""
     generator = torch.Generator(device="cpu" if device.type == "meta" else device)
-    generator.manual_seed(rounding_seed(state, stream))
-    return generator
+    return generator.manual_seed(seed)

@@ -27,13 +27,12 @@ from torch.optim import Optimizer
 from slimopt import kernels
 from slimopt.core import basis as stored_basis
 from slimopt.core import loading, moments, units
-from slimopt.core.decisions import combined, decide
 from slimopt.core.hyperparameters import constructor_defaults, fill_rule_defaults
 from slimopt.core.plan import Place, Plan, PlanContext, make_plan, path_of
 from slimopt.core.record import Update, keep_raw
 from slimopt.core.refresh import agreed, refresh_due, refresh_when_due
 from slimopt.core.tensors import as_matrix, real, values
-from slimopt.core.update import apply, apply_together
+from slimopt.core.update import apply, apply_together, combined, decide
 from slimopt.finite import Decisions, all_finite
 from slimopt.options import PROJECTION_DEFAULTS, STORAGE_DEFAULTS, group_errors, sharding_errors
 from slimopt.projection import Basis, project

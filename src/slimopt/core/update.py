@@ -1,20 +1,70 @@
-"""The one dispatcher: each update goes by slices of rows, through the fused step, with the
-small tensors together, or through the reference path, as its ``Plan`` says; what the path
-reports (``Outcome``) is settled here: a masked update's device flag recorded, a skipped one
-taken back."""
+"""The one dispatcher: whether each update's gradient is finite, decided for all of a step's
+updates at once (``slimopt.finite``: read on the host in one read for the reference path, left on
+the device as a flag for the fused path, which masks its writes with it); then each update goes
+by slices of rows, through the fused step, with the small tensors together, or through the
+reference path, as its ``Plan`` says, the reference path taking over wherever auto mode's fused
+step did not compile. What the path reports (``Outcome``) is settled here: a masked update's
+device flag recorded, a skipped one taken back.
+
+The reference path (``reference_update``) decodes the moments to fp32, runs the rule, encodes
+them and writes the weights (a projected direction projected back a slice of rows at a time, or
+the raw gradient scaled by it: APOLLO, ``slimopt.core.scaling``): the definition every fused
+step is checked against.
+"""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-from slimopt.core.decisions import decides_on_device
+from slimopt import finite
+from slimopt.codecs.slicing import slices_to_update
 from slimopt.core.fused import fused_update, together, update_together
-from slimopt.core.outcome import NotCompiled, Outcome
-from slimopt.core.record import Update, begin
-from slimopt.core.reference import reference_update
+from slimopt.core.moments import decode_all, encode
+from slimopt.core.record import NotCompiled, Outcome, Update, begin
 from slimopt.core.rows import update_by_row_slices
+from slimopt.core.scaling import limited, scaling_factor, write_scaled
+from slimopt.core.state import STEP, started
+from slimopt.core.tensors import as_matrix, matrix_of, real
 from slimopt.core.units import skip, unstep
+from slimopt.core.weights import update_weights, update_weights_projected, weight_step
 from slimopt.finite import Decisions
+
+
+def decides_on_device(update: Update) -> bool:
+    """Whether ``update`` takes its non-finite decision on the device: on the fused path on a
+    device of ``finite.DECIDED_ON_DEVICE``, once its state exists (a first step creates the
+    state on the host)."""
+    plan = update.plan
+    return finite.decided_on_device(plan.param.device) and plan.fused and started(update.state)
+
+
+def decide(updates: list[Update]) -> list[bool | Tensor]:
+    """For each update, whether its gradient is finite: a bool read on the host, or for an
+    update deciding on the device a flag left there."""
+    groups = [None if u.plan.sharding is None else u.plan.sharding.group for u in updates]
+    flags = finite.finite_flags([real(u.grad) for u in updates], groups)
+    on_device = [decides_on_device(u) for u in updates]
+    read = iter(finite.read([f for f, device in zip(flags, on_device, strict=True) if not device]))
+    return [
+        flag if device and flag is not None else True if device else next(read)
+        for flag, device in zip(flags, on_device, strict=True)
+    ]
+
+
+def combined(first: list[bool | Tensor], second: list[bool | Tensor]) -> list[bool | Tensor]:
+    """Each pair of decisions combined: host bools by ``and``, device flags in one vector
+    operation for all of them (not one per parameter)."""
+    pairs = list(zip(first, second, strict=True))
+    on_device = [k for k, (a, b) in enumerate(pairs) if isinstance(a, Tensor) and isinstance(b, Tensor)]
+    both: list[bool | Tensor] = [
+        False if a is False or b is False else b if a is True else a for a, b in pairs
+    ]
+    if on_device:
+        vector = torch.stack([pairs[k][0] for k in on_device]) & torch.stack([pairs[k][1] for k in on_device])
+        for position, k in enumerate(on_device):
+            both[k] = vector[position]
+    return both
 
 
 def apply_together(updates: list[Update], decisions: Decisions) -> list[Update]:
@@ -35,7 +85,11 @@ def apply_together(updates: list[Update], decisions: Decisions) -> list[Update]:
             continue
         for update in batch:
             update.keep = update.verdict if isinstance(update.verdict, Tensor) else None
-        for update, outcome in zip(batch, update_together(batch), strict=True):
+        try:
+            outcomes = update_together(batch)
+        except NotCompiled:
+            outcomes = [reference_update(_with_fp32_gradient(update)) for update in batch]
+        for update, outcome in zip(batch, outcomes, strict=True):
             settle(update, outcome, decisions)
     return rest
 
@@ -65,9 +119,43 @@ def _path(update: Update) -> Outcome:
     return reference_update(update)
 
 
+def _with_fp32_gradient(update: Update) -> Update:
+    """``update`` with its gradient in fp32, as the reference path reads it (a grouped fused step
+    began it in the gradient's own dtype)."""
+    update.grad = update.grad.float()
+    return update
+
+
 def settle(update: Update, outcome: Outcome, decisions: Decisions) -> None:
     """Record a masked update's device flag; take back the count of a skipped one."""
     if outcome is Outcome.MASKED:
         decisions.record(update, update.keep)
     elif outcome is Outcome.SKIPPED:
         unstep(update.plan, update.state)
+
+
+def reference_update(update: Update) -> Outcome:
+    """The update through the reference path, after ``record.begin``. A device flag
+    ``update.keep`` (the fused step that would have masked by it did not compile) is read here."""
+    plan, state, group = update.plan, update.state, update.plan.group
+    if update.keep is not None and not bool(update.keep):
+        return Outcome.SKIPPED
+    moments = decode_all(plan, state, update.grad.shape, update.layout)
+    direction = plan.rule.direction(update.grad, {**state, **moments}, update.age, group)
+    encode(plan, state, moments, update.generator, update.layout)
+    with matrix_of(update.unit) as weights:
+        lr = plan.rule.step_size(group, weights, state[STEP])
+        if update.basis is None:
+            update_weights(
+                weights, as_matrix(direction), weight_step(plan, state, weights, update.generator, lr, 1.0)
+            )
+            return Outcome.TAKEN
+        step = weight_step(plan, state, weights, update.generator, lr, group["scale"])
+        if plan.scales_gradient:
+            factor = scaling_factor(plan, update.grad, direction, update.basis)
+            write_scaled(weights, update.raw, limited(plan, state, update.raw, factor, update.age), step)
+            return Outcome.TAKEN
+        # Back-projected a slice of rows at a time: no full-size fp32 update of a large matrix.
+        for _, rows in slices_to_update(*weights.shape, meta=weights.is_meta):
+            update_weights_projected(weights, direction, update.basis, rows, step)
+    return Outcome.TAKEN

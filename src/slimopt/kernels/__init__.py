@@ -1,7 +1,7 @@
 """Fused optimizer steps: read the gradient, decode both moments, update them, encode them and
 write the parameter (or, for a projected matrix, the direction) in one compiled function.
 
-The reference path (``slimopt.core.reference`` with ``slimopt.codecs``) runs a chain of PyTorch
+The reference path (``slimopt.core.update.reference_update`` with ``slimopt.codecs``) runs a chain of PyTorch
 operations, each a pass over memory; here the same arithmetic is written once as a function of
 the stored tensors and compiled with ``torch.compile``, which fuses it into a few loops: C++ with
 OpenMP on the CPU, Triton kernels on CUDA. The reference path stays the definition: a fused step
