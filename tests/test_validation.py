@@ -157,3 +157,29 @@ def test_fallback_lr_and_max_grad_norm_refuse_infinity() -> None:
         ValueError, match="max_grad_norm must be a finite number > 0, or None for no clipping"
     ):
         layerwise(optimizer, max_grad_norm=math.inf)
+
+
+def test_every_option_of_the_table_is_a_flag_and_an_optim_arg_of_its_type() -> None:
+    """The option table (``slimopt.options.OPTIONS``) is what the command line, Hugging Face's
+    ``optim_args`` and the param groups read: each option a user gives is a flag and an optim_arg
+    whose text of the default reads back as the default, and is in its part's defaults."""
+    import argparse
+
+    from slimopt.cli.options import add_optimizer_flags
+    from slimopt.integrations.transformers import parse_optim_args
+    from slimopt.options import OPTION_TYPES, OPTIONS, PROJECTION_DEFAULTS, STORAGE_DEFAULTS
+
+    parser = argparse.ArgumentParser()
+    add_optimizer_flags(parser)
+    flags = {action.dest for action in parser._actions}
+    for option in OPTIONS:
+        defaults = PROJECTION_DEFAULTS if option.part == "projection" else STORAGE_DEFAULTS
+        assert defaults[option.name] == option.default
+        if not option.given:
+            assert option.name not in OPTION_TYPES and option.name not in flags
+            continue
+        assert option.name in flags
+        text = "none" if option.default is None else str(option.default).lower()
+        assert parse_optim_args(f"{option.name}={text}") == {option.name: option.default}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--block-size", "eight"])

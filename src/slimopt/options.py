@@ -7,6 +7,7 @@ rows under FSDP2) stays with the optimizer, which holds that knowledge.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,30 +29,146 @@ SUBSPACE_POLICIES = ("keep", "reset", "rotate")
 SCALE_TYPES = (None, "channel", "tensor")
 # How a projection basis is stored: entries of orthonormal vectors lose little to 8 bits.
 BASIS_STATES = ("fp32", "bf16", "int8")
-PROJECTION_DEFAULTS: dict[str, Any] = {
-    "update_proj_gap": 200,
-    "scale": 0.25,
-    "proj_type": "std",
-    "proj_method": "subspace",
-    "on_subspace_change": "rotate",
-    "stagger": True,
-    "basis_states": "fp32",
-    # APOLLO's gradient scaling and its norm-growth limiter (None: off).
-    "scale_type": None,
-    "norm_growth_limit": None,
-    # The first dimension of every parameter indexes independent matrices (a mixture of experts'
-    # stacked expert weights): each gets its own basis and moments, as a 2-D parameter would.
-    "experts": False,
-}
-
-STORAGE_DEFAULTS: dict[str, Any] = {
-    "states": "fp32",
-    "block_size": None,
-    "param_rounding": "nearest",
-    "fused": None,
-}
 # How an update is rounded into a bf16 parameter.
 PARAM_ROUNDINGS = ("nearest", "stochastic", "corrected")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a slimopt param group besides its rule's hyperparameters."""
+
+    name: str
+    default: Any
+    type: type  # what a text value (a command-line flag, Hugging Face's optim_args) is read as
+    part: str  # "projection" or "storage": which defaults it belongs to
+    help: str
+    accepts_none: bool = False  # written "none"
+    layout: bool = False  # a change makes a unit's plan anew (its storage or path changes)
+    # Whose value a loaded state dict keeps: "saved" (the checkpoint's, as torch.optim's
+    # hyperparameters), "storage" (the loading optimizer's: moments and bases saved in another
+    # format are re-encoded) or "own" (the loading optimizer's: how it runs here, how the weights
+    # it was built for are rounded).
+    on_load: str = "saved"
+    given: bool = True  # False: ``build_optimizer`` sets it itself, a user does not
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("update_proj_gap", 200, int, "projection", "steps between projection refreshes"),
+    Option("scale", 0.25, float, "projection", "scale of the update projected back (GaLore's alpha)"),
+    Option(
+        "proj_type",
+        "std",
+        str,
+        "projection",
+        f"which side is projected: {', '.join(PROJ_TYPES)}",
+        layout=True,
+    ),
+    Option("proj_method", "subspace", str, "projection", f"how a basis is found: {', '.join(PROJ_METHODS)}"),
+    # APOLLO's gradient scaling and its norm-growth limiter (None: off).
+    Option(
+        "scale_type",
+        None,
+        str,
+        "projection",
+        "APOLLO: scale the raw gradient by the projected direction, per channel or tensor "
+        "(default none: project the direction back, as GaLore does)",
+        accepts_none=True,
+    ),
+    Option(
+        "norm_growth_limit",
+        None,
+        float,
+        "projection",
+        "APOLLO: largest growth of the scaled update's norm from one step to the next "
+        "(default none: no limit)",
+        accepts_none=True,
+    ),
+    Option(
+        "on_subspace_change",
+        "rotate",
+        str,
+        "projection",
+        f"what the moments do when the basis changes: {', '.join(SUBSPACE_POLICIES)}",
+    ),
+    Option(
+        "stagger",
+        True,
+        bool,
+        "projection",
+        "spread the matrices' refreshes over the gap (--no-stagger: all at once)",
+    ),
+    Option(
+        "basis_states",
+        "fp32",
+        str,
+        "projection",
+        f"how a basis is stored: {', '.join(BASIS_STATES)}",
+        layout=True,
+        on_load="storage",
+    ),
+    # The first dimension of every parameter indexes independent matrices (a mixture of experts'
+    # stacked expert weights): each gets its own basis and moments, as a 2-D parameter would.
+    Option(
+        "experts",
+        False,
+        bool,
+        "projection",
+        "project each expert of a stacked parameter",
+        layout=True,
+        given=False,
+    ),
+    Option(
+        "states",
+        "fp32",
+        str,
+        "storage",
+        "state storage: fp32, bf16, int8, int4 or ternary, or one per moment as FIRST/SECOND",
+        layout=True,
+        on_load="storage",
+    ),
+    Option(
+        "block_size",
+        None,
+        int,
+        "storage",
+        "quantization block size (default none: the format's own)",
+        accepts_none=True,
+        layout=True,
+        on_load="storage",
+    ),
+    Option(
+        "param_rounding",
+        "nearest",
+        str,
+        "storage",
+        f"how an update is rounded into bf16 weights: {', '.join(PARAM_ROUNDINGS)}",
+        layout=True,
+        on_load="own",
+    ),
+    Option(
+        "fused",
+        None,
+        bool,
+        "storage",
+        "the fused step (slimopt.kernels, compiled at the first step; --no-fused: the reference "
+        "path; default: fused on CUDA only)",
+        accepts_none=True,
+        layout=True,
+        on_load="own",
+    ),
+)
+BY_NAME = {option.name: option for option in OPTIONS}
+
+PROJECTION_DEFAULTS: dict[str, Any] = {o.name: o.default for o in OPTIONS if o.part == "projection"}
+STORAGE_DEFAULTS: dict[str, Any] = {o.name: o.default for o in OPTIONS if o.part == "storage"}
+# The type each option's text is read as; ``rank``, whose presence makes a group projected, too.
+OPTION_TYPES: dict[str, type] = {"rank": int, **{o.name: o.type for o in OPTIONS if o.given}}
+NONE_OPTIONS = tuple(o.name for o in OPTIONS if o.accepts_none)
+# The group keys a unit's plan depends on: changing one makes a new plan.
+LAYOUT_OPTIONS = ("rule", "rank", *(o.name for o in OPTIONS if o.layout))
+# What a loaded state dict does not bring (``Option.on_load``).
+STORAGE_KEYS = tuple(o.name for o in OPTIONS if o.on_load == "storage")
+OWN_KEYS = tuple(o.name for o in OPTIONS if o.on_load == "own")
 
 
 def is_projected(param: Tensor, group: dict[str, Any]) -> bool:

@@ -26,7 +26,7 @@ from slimopt.optimizers import (
     GaLoreAdamW8bit,
     GaLoreOptimizer,
 )
-from slimopt.options import PROJECTION_DEFAULTS
+from slimopt.options import NONE_OPTIONS, OPTION_TYPES, PROJECTION_DEFAULTS
 from slimopt.sharding import split_by_rows
 from slimopt.targets import (
     target_weight_ids,
@@ -35,28 +35,6 @@ from slimopt.targets import (
 from slimopt.weight_formats import lost_int8_weights
 from slimopt.weight_formats.int8 import INT8_ONE_PROCESS
 
-# Projection and storage options, with the type a text value (a flag, optim_args) is read as.
-OPTION_TYPES: dict[str, type] = {
-    "rank": int,
-    "update_proj_gap": int,
-    "scale": float,
-    "proj_type": str,
-    "proj_method": str,
-    "scale_type": str,
-    "norm_growth_limit": float,
-    "on_subspace_change": str,
-    "stagger": bool,
-    "basis_states": str,
-    "states": str,
-    "block_size": int,
-    "param_rounding": str,
-    "fused": bool,
-}
-
-
-# Options that take None, written "none".
-NONE_OPTIONS = ("block_size", "scale_type", "norm_growth_limit")
-
 
 def parse_option(key: str, text: str, kind: type | None = None) -> Any:
     """The value of optimizer option ``key`` written as ``text``, read as ``kind`` (None: its
@@ -64,13 +42,13 @@ def parse_option(key: str, text: str, kind: type | None = None) -> Any:
     Hugging Face's ``optim_args``. Booleans are true/false/1/0; ``NONE_OPTIONS`` may be none.
     Raises ``ValueError`` naming the key, the text and the type expected."""
     kind = OPTION_TYPES[key] if kind is None else kind
+    if key in NONE_OPTIONS and text.lower() == "none":
+        return None
     if kind is bool:
         lowered = text.lower()
         if lowered not in ("true", "false", "1", "0"):
             raise ValueError(f"{key}={text!r}: expected true or false")
         return lowered in ("true", "1")
-    if key in NONE_OPTIONS and text.lower() == "none":
-        return None
     try:
         return kind(text)
     except ValueError:

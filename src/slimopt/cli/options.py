@@ -7,18 +7,14 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from slimopt.options import PROJECTION_DEFAULTS, STORAGE_DEFAULTS
-from slimopt.registry import OPTION_TYPES, parse_option
+from slimopt.options import BY_NAME, OPTION_TYPES
+from slimopt.registry import parse_option
 from slimopt.weight_formats import weight_dtype
 
-# Flags that configure the optimizer rather than the run, with their types (``stagger``, a
-# boolean that is on by default, is left to config files and the Python API; ``fused`` is
-# --fused / --no-fused, left out meaning auto).
-OPTIMIZER_FLAGS: dict[str, type] = {
-    **{name: kind for name, kind in OPTION_TYPES.items() if kind is not bool},
-    "weight_decay": float,
-    "fused": bool,
-}
+# Flags that configure the optimizer rather than the run, with their types: every option of the
+# table a user gives (``slimopt.options.OPTIONS``; a boolean is --name / --no-name, left out
+# meaning its default), and weight decay.
+OPTIMIZER_FLAGS: dict[str, type] = {**OPTION_TYPES, "weight_decay": float}
 
 DTYPE_HELP = (
     "how the weights are stored: fp32, bf16, bf16+8 (bf16 and an 8-bit correction, 24 bits) or "
@@ -37,28 +33,23 @@ def read_weight_dtype(text: str) -> str:
 def _option_help(name: str) -> str:
     if name == "rank":
         return "GaLore rank (default: a quarter of the projected matrices' smaller side, r = n/4)"
-    default = {**PROJECTION_DEFAULTS, **STORAGE_DEFAULTS}.get(name)
-    if name == "states":
-        return (
-            "state storage: fp32, bf16, int8, int4 or ternary, or one per moment as FIRST/SECOND "
-            "(default: the optimizer's own)"
-        )
     if name == "weight_decay":
         return "decoupled weight decay (default 0.01)"
-    shown = "the format's own" if default is None else default
-    return f"optimizer option {name} (default {shown})"
+    option = BY_NAME[name]
+    if name == "states":
+        return f"{option.help} (default: the optimizer's own)"
+    # An option that defaults to None says in its help what none means.
+    if option.default is None:
+        return option.help
+    default = ("on" if option.default else "off") if isinstance(option.default, bool) else option.default
+    return f"{option.help} (default {default})"
 
 
 def add_optimizer_flags(parser: argparse.ArgumentParser) -> None:
     """Add a flag for each of ``OPTIMIZER_FLAGS`` to ``parser``."""
     for name, kind in OPTIMIZER_FLAGS.items():
         if kind is bool:
-            parser.add_argument(
-                f"--{name}",
-                action=argparse.BooleanOptionalAction,
-                help="the fused step (slimopt.kernels; compiled at the first step; times in "
-                "docs/results/storage.md); --no-fused: the reference path; default: fused on CUDA only",
-            )
+            parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, help=_option_help(name))
         else:
             parser.add_argument(
                 f"--{name.replace('_', '-')}", type=_option_reader(name, kind), help=_option_help(name)

@@ -33,11 +33,8 @@ from torch.optim import Optimizer
 
 from slimopt.core.earlier_layouts import carried_over
 from slimopt.core.state import CORRECTION, COUNTERS, KEPT, MOMENT_STEP, SEED, SHELL_KEYS, SKIPS, STEP
+from slimopt.options import OWN_KEYS, PROJECTION_DEFAULTS, STORAGE_DEFAULTS, STORAGE_KEYS
 
-STORAGE_KEYS = ("states", "block_size", "basis_states")
-# Group options a state dict never brings: how this optimizer runs here (``fused``: on this
-# device and compiler) and how the weights it was built for are rounded (``param_rounding``).
-OWN_KEYS = ("fused", "param_rounding")
 # Group keys of torch.optim.Adam/AdamW that slimopt has no use for (amsgrad, maximize and
 # differentiable set to True are refused first).
 TORCH_ADAM_ONLY = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
@@ -223,8 +220,6 @@ def fill_new_options(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[s
 def _options() -> set[str]:
     """The options every slimopt group has, whatever its update rule: projection, storage, and
     the group's ``rule`` (None, the optimizer's own, in checkpoints older than that option)."""
-    from slimopt.options import PROJECTION_DEFAULTS, STORAGE_DEFAULTS
-
     return {*PROJECTION_DEFAULTS, *STORAGE_DEFAULTS, "rule"}
 
 

@@ -23,23 +23,11 @@ from slimopt.codecs import Codec, moment_codec
 from slimopt.codecs.rows import RowSlicedStorage, row_sliced_storage
 from slimopt.codecs.slicing import matrix_shape, sliced
 from slimopt.core.tensors import values
-from slimopt.options import fused_unsupported, is_projected
+from slimopt.options import LAYOUT_OPTIONS, fused_unsupported, is_projected
 from slimopt.rules import UpdateRule
 from slimopt.sharding import RowSharding
 from slimopt.weight_formats.int8 import Int8Weight
 
-# The group options a plan depends on: changing one of them makes a new plan.
-LAYOUT_OPTIONS = (
-    "rule",
-    "rank",
-    "proj_type",
-    "experts",
-    "states",
-    "block_size",
-    "basis_states",
-    "fused",
-    "param_rounding",
-)
 # Experts' seeds: their parameter's ordinal plus a multiple of this (more than any model's
 # parameter count, and odd, so the low 32 bits of the seeds differ too).
 EXPERT_SEED_STRIDE = 100_003

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from slimopt.core.loading import OWN_KEYS, STORAGE_KEYS
+from slimopt.options import OWN_KEYS, STORAGE_KEYS
 
 
 class SlimoptZeroRedundancyOptimizer(ZeroRedundancyOptimizer):

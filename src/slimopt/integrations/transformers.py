@@ -32,10 +32,10 @@ from torch import nn
 
 from slimopt.layerwise import LayerwiseHandle, check_refresh_from, layerwise
 from slimopt.optimizers import TERNARY_BETAS, AdamWTernary, GaLoreAdafactor, GaLoreOptimizer
+from slimopt.options import OPTION_TYPES
 from slimopt.registry import (
     HF_NAMES,
     OPTIMIZERS,
-    OPTION_TYPES,
     ROW_SPLIT_PROJ_TYPE,
     available_optimizers,
     build_optimizer,
