@@ -9,7 +9,6 @@ import torch
 from torch import Tensor
 
 from slimopt.codecs.slicing import matrix_shape
-from slimopt.rules.taco import OneSparse
 from slimopt.sharding import local_view
 
 
@@ -26,8 +25,8 @@ def real(tensor: Tensor) -> Tensor:
 
 def as_matrix(tensor: Tensor) -> Tensor:
     """``tensor`` as ``shape[0] × rest`` (one row for a vector or a scalar): a view where the
-    layout allows one, else a copy. A ``OneSparse`` direction (TACO's, of a matrix) is one already."""
-    return tensor if isinstance(tensor, OneSparse) else tensor.reshape(matrix_shape(tensor.shape))
+    layout allows one, else a copy. A ``SparseDirection`` (TACO's, of a matrix) is one already."""
+    return tensor.reshape(matrix_shape(tensor.shape)) if isinstance(tensor, Tensor) else tensor
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from slimopt.codecs.plain import round_to_bf16_stochastically
 from slimopt.core.plan import Plan
 from slimopt.core.state import CORRECTION
 from slimopt.projection import Basis, add_projected_back, project_back
-from slimopt.rules.taco import OneSparse
+from slimopt.rules import SparseDirection
 from slimopt.weight_formats.corrected import corrected, split_
 from slimopt.weight_formats.int8 import Int8Weight
 
@@ -96,13 +96,13 @@ def write_weights(weights: Tensor, values: Tensor, step: WeightStep) -> None:
         weights.copy_(values)
 
 
-def update_weights(weights: Tensor, direction: Tensor | OneSparse, step: WeightStep) -> None:
+def update_weights(weights: Tensor, direction: Tensor | SparseDirection, step: WeightStep) -> None:
     """``w ← w·(1 − lr·wd) − lr·scale·direction`` in fp32, rounded once into ``weights``."""
     lr, scale = step.lr, step.scale
     target = read_weights(weights, step)
     if step.weight_decay != 0:
         target.mul_(1 - lr * step.weight_decay)
-    if isinstance(direction, OneSparse):  # TACO's: one entry per column
+    if not isinstance(direction, Tensor):  # a rule's own form (TACO's: one entry per column)
         direction.add_to(target, alpha=-lr * scale)
     elif isinstance(lr, Tensor):  # a step size computed on the device, without a host sync
         target.sub_(direction.mul_(lr * scale))

@@ -20,6 +20,14 @@ from slimopt.rules.taco import TACORule
 __all__ = ["RULES", "AdafactorRule", "AdamWRule", "LionRule", "TACORule", "UpdateRule"]
 
 
+class SparseDirection(Protocol):
+    """A direction a rule returns in a form of its own rather than as a dense tensor (TACO's one
+    entry per column): a matrix already, which ``add_to`` adds to the weights."""
+
+    def add_to(self, weights: Tensor, alpha: float) -> None:
+        """``weights`` += alpha · direction, in place."""
+
+
 class UpdateRule(Protocol):
     """What the optimizer shell needs from an update rule."""
 
@@ -43,9 +51,12 @@ class UpdateRule(Protocol):
     def init_state(self, grad: Tensor, group: dict[str, Any], *, projected: bool) -> dict[str, Tensor]:
         """Return zero moments for a (projected) fp32 gradient like ``grad``."""
 
-    def direction(self, grad: Tensor, state: dict[str, Tensor], age: int, group: dict[str, Any]) -> Tensor:
+    def direction(
+        self, grad: Tensor, state: dict[str, Tensor], age: int, group: dict[str, Any]
+    ) -> Tensor | SparseDirection:
         """Advance the moments in ``state`` with ``grad`` (step number ``age``, from 1) and return
-        the update direction, which the shell scales by ``-step_size``."""
+        the update direction, which the shell scales by ``-step_size``: a tensor like ``grad``,
+        or a ``SparseDirection``."""
 
     def bias_correction(self, group: dict[str, Any], age: int) -> float:
         """The factor of the direction at moment age ``age`` that is bias correction (1.0 for a
