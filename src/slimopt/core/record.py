@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slimopt.codecs import state_key
 from slimopt.core.moments import encode
 from slimopt.core.plan import Plan
 from slimopt.core.seeds import rounding_generator
@@ -71,17 +72,32 @@ def begin(update: Update, *, own_dtype: bool = False) -> None:
     """An update's start: the fp32 gradient (in its own dtype with ``own_dtype``: for a step
     that reads bf16 itself), contiguous so that moments created like it and the direction have a
     2-D view; the moments' layout; the rounding generator; the moments' age, counted (the
-    moments created on the first update)."""
+    moments created on the first update: ``start_moments``)."""
     plan, state = update.plan, update.state
     grad = (update.grad if own_dtype else update.grad.float()).contiguous()
     layout = plan.layout(grad.shape)
     generator = rounding_generator(plan, state, layout)
     if not started(state):
+        start_moments(update, grad, generator, layout)
+    update.grad, update.layout, update.generator, update.age = grad, layout, generator, advance(state)
+
+
+def start_moments(
+    update: Update, grad: Tensor, generator: torch.Generator | None, layout: torch.Size
+) -> None:
+    """The unit's moments as its first update finds them: the rule's initial state, encoded by
+    the plan's codecs, or for a unit updated by slices of rows zeros in its sliced storage (each
+    slice starts from the rule's initial state as it is updated)."""
+    plan, state = update.plan, update.state
+    if plan.by_row_slices:
+        for key, storage in plan.row_storages().items():
+            for part, tensor in storage.allocate(plan.param.device, plan.values_shape).items():
+                state[state_key(key, part)] = tensor
+    else:
         initial = plan.rule.init_state(grad.float(), plan.group, projected=update.basis is not None)
         for key, value in initial.items():
             if key in plan.rule.moment_kinds:
                 encode(plan, state, {key: value}, generator, layout)
             else:
                 state[key] = value
-        state[MOMENT_STEP] = 0
-    update.grad, update.layout, update.generator, update.age = grad, layout, generator, advance(state)
+    state[MOMENT_STEP] = 0

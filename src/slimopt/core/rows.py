@@ -3,36 +3,26 @@ full-size fp32 temporary exists; its moments are stored by slices (``slimopt.cod
 
 from __future__ import annotations
 
-from slimopt.codecs import state_key
 from slimopt.codecs.slicing import slices_to_update
 from slimopt.core.fused import fused_moment, fused_step
 from slimopt.core.moments import stored_parts
 from slimopt.core.record import NotCompiled, Outcome, Update
-from slimopt.core.seeds import rounding_generator
-from slimopt.core.state import MOMENT_STEP, STEP, started
+from slimopt.core.state import STEP
 from slimopt.core.tensors import as_matrix, matrix_of
-from slimopt.core.units import advance
 from slimopt.core.weights import update_weights, weight_step
 
 
 def update_by_row_slices(update: Update) -> Outcome:
-    """The update a slice of rows at a time, each slice through the fused step or the reference
-    path (``update.keep``: as for ``fused.fused_update``; read on the host when a fused step
-    does not compile midway, the earlier slices having been masked by it)."""
+    """The update a slice of rows at a time (after ``record.begin``), each slice through the
+    fused step or the reference path (``update.keep``: as for ``fused.fused_update``; read on
+    the host when a fused step does not compile midway, the earlier slices having been masked
+    by it)."""
     plan, state, group = update.plan, update.state, update.plan.group
+    first = update.age == 1  # the moments were created by ``begin``: each slice starts from zero
     storages = plan.row_storages()
-    first = not started(state)
-    if first:
-        for key, storage in storages.items():
-            for part, tensor in storage.allocate(plan.param.device, plan.values_shape).items():
-                state[state_key(key, part)] = tensor
-        state[MOMENT_STEP] = 0
     stored = {key: stored_parts(state, key, storage.sizes) for key, storage in storages.items()}
     with matrix_of(update.unit) as weights:
         grad = as_matrix(update.grad)
-        update.layout = plan.layout(grad.shape)
-        update.generator = rounding_generator(plan, state, update.layout)
-        update.age = advance(state)
         lr = plan.rule.step_size(group, weights, state[STEP])
         write = weight_step(plan, state, weights, update.generator, lr, 1.0)
         fused = not first and plan.fused

@@ -108,9 +108,10 @@ def apply(update: Update, decisions: Decisions) -> None:
 
 
 def _path(update: Update) -> Outcome:
+    # By slices of rows the gradient stays in its dtype: each slice is read as fp32 in turn.
+    begin(update, own_dtype=update.plan.by_row_slices)
     if update.plan.by_row_slices:
         return update_by_row_slices(update)
-    begin(update)
     if update.plan.fused:
         try:
             return fused_update(update)
