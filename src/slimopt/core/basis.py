@@ -16,6 +16,17 @@ from slimopt.core.state import BASIS_KEYS, DRAW, STEP
 from slimopt.projection import Basis, random_basis, sides
 
 
+def has_basis(plan: Plan, state: MutableMapping[str, Any]) -> bool:
+    """Whether the unit has a basis of its group's kind: a random projection's draw, or stored
+    factors (in the group's ``basis_states``: a load re-encodes bases saved in another)."""
+    if plan.group["proj_method"] == "random":
+        return DRAW in state
+    for key, (_, codec) in zip(BASIS_KEYS, plan.basis_storage, strict=True):
+        if state_key(key, codec.parts[0]) in state:
+            return True
+    return False
+
+
 def basis(plan: Plan, state: MutableMapping[str, Any]) -> Basis | None:
     """The fp32 basis of a projected unit (decoded from its storage, or drawn from its seed),
     or None."""

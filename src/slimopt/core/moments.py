@@ -24,9 +24,14 @@ def decode_all(plan: Plan, state: State, shape: torch.Size, layout: torch.Size) 
     """The fp32 value of every stored moment of the rule; ``shape`` is the moments' (local)
     shape, ``layout`` the shape the storage format is chosen by (``Plan.layout``)."""
     moments = {}
+    keys = plan.stored_keys(layout)
     for key, codec in plan.moment_codecs(layout).items():
-        stored = {part: state.get(state_key(key, part)) for part in codec.parts}
-        if all(value is not None for value in stored.values()):
+        stored = {}
+        for part, name in keys[key].items():
+            stored[part] = state.get(name)
+            if stored[part] is None:  # a moment the rule does not keep (Adafactor's first without beta1)
+                break
+        else:
             moments[key] = codec.decode(stored, shape)
     return moments
 
@@ -40,10 +45,10 @@ def encode(
 ) -> None:
     """Store each of the rule's ``moments`` (by key) in the format ``layout`` gets, drawing
     stochastic roundings from ``generator`` in the moments' order."""
-    codecs = plan.moment_codecs(layout)
+    codecs, keys = plan.moment_codecs(layout), plan.stored_keys(layout)
     for key, value in moments.items():
         for part, stored in codecs[key].encode(value, generator).items():
-            state[state_key(key, part)] = stored
+            state[keys[key][part]] = stored
 
 
 def stored_parts(state: State, key: str, parts: Iterable[str]) -> dict[str, Tensor]:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from slimopt import kernels
-from slimopt.codecs import Codec, moment_codec
+from slimopt.codecs import Codec, moment_codec, state_key
 from slimopt.codecs.rows import RowSlicedStorage, row_sliced_storage
 from slimopt.codecs.slicing import matrix_shape, sliced
 from slimopt.core.tensors import values
@@ -64,6 +64,7 @@ class Plan:
     # The moments' codecs and whether an update draws, by storage layout: worked out at a
     # unit's first update (its layout is known then), read at every later one.
     _codecs: dict[torch.Size, dict[str, Codec]] = field(default_factory=dict, repr=False)
+    _keys: dict[torch.Size, dict[str, dict[str, str]]] = field(default_factory=dict, repr=False)
     _draws: dict[torch.Size, bool] = field(default_factory=dict, repr=False)
 
     @property
@@ -109,6 +110,17 @@ class Plan:
                 for key, kind in self.rule.moment_kinds.items()
             }
         return codecs
+
+    def stored_keys(self, layout: torch.Size) -> dict[str, dict[str, str]]:
+        """The state key of each stored part of each moment (``exp_avg.codes``), by moment and
+        part, for storage chosen by ``layout``."""
+        keys = self._keys.get(layout)
+        if keys is None:
+            codecs = self.moment_codecs(layout)
+            keys = self._keys[layout] = {
+                key: {part: state_key(key, part) for part in codec.parts} for key, codec in codecs.items()
+            }
+        return keys
 
     def row_storages(self, shape: torch.Size | None = None) -> dict[str, RowSlicedStorage]:
         """The slice-by-slice layout of each moment of a unit updated by slices of rows

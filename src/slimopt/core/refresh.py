@@ -16,11 +16,11 @@ from torch import Tensor
 from slimopt import projection
 from slimopt.codecs.slicing import matrix_shape
 from slimopt.core import seeds
-from slimopt.core.basis import basis, draw_basis, store_basis
+from slimopt.core.basis import basis, draw_basis, has_basis, store_basis
 from slimopt.core.moments import decode_all, encode
 from slimopt.core.plan import Plan
 from slimopt.core.seeds import SUBSPACE_CHANGE_STREAM, rounding_generator
-from slimopt.core.state import MOMENT_STEP, REFRESH_OFFSET, STEP, is_basis_key, started
+from slimopt.core.state import MOMENT_STEP, REFRESH_OFFSET, STEP, started
 from slimopt.core.tensors import as_matrix
 from slimopt.core.units import warn
 from slimopt.finite import all_finite
@@ -30,12 +30,12 @@ from slimopt.sharding import compute_on_owner
 State = MutableMapping[str, Any]
 
 
-def refresh_due(state: State, group: dict[str, Any]) -> bool:
+def refresh_due(plan: Plan, state: State) -> bool:
     """Whether the unit's basis is refreshed at this step: it has none of its group's kind yet
     (stored factors, or a random projection's draw), or its staggered gap has come round."""
-    if not any(is_basis_key(key, random=group["proj_method"] == "random") for key in state):
+    if not has_basis(plan, state):
         return True
-    return (state[STEP] - state[REFRESH_OFFSET]) % group["update_proj_gap"] == 0
+    return (state[STEP] - state[REFRESH_OFFSET]) % plan.group["update_proj_gap"] == 0
 
 
 def agreed(plan: Plan, flag: bool) -> bool:
@@ -49,7 +49,7 @@ def refresh_when_due(
     """Refresh the unit's basis when due: draw a random projection anew, or find one from the
     gradient ``grad`` (its fp32 copy made outside ``probe()``, the context a refresh runs in:
     it is not the refresh's workspace)."""
-    if not refresh_due(state, plan.group):
+    if not refresh_due(plan, state):
         return
     if plan.group["proj_method"] == "random":
         redraw(plan, state)

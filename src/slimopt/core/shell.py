@@ -172,7 +172,7 @@ class GaLoreOptimizer(Optimizer):
             for group in self.param_groups
             for p in group["params"]
             if p.grad is not None
-            for unit, grad in zip(self.units(p, group), self.units(local_view(p.grad), group), strict=True)
+            for unit, grad in zip(units.units(p, group), units.units(local_view(p.grad), group), strict=True)
         ]
         ready = []
         for update, verdict in zip(pending, decide(pending), strict=True):
@@ -317,7 +317,7 @@ class GaLoreOptimizer(Optimizer):
         """Whether this step of ``param`` needs its whole gradient: it is not projected, its basis
         is refreshed from this step's gradient, or its group scales it (APOLLO's ``scale_type``)."""
         plan = self.plan_of(param, group)
-        return not plan.projected or plan.scales_gradient or refresh_due(self.state_of(param), group)
+        return not plan.projected or plan.scales_gradient or refresh_due(plan, self.state_of(param))
 
     def basis(self, param: Tensor, group: dict[str, Any]) -> Basis | None:
         """The fp32 basis of a projected ``param`` (decoded from its storage, or drawn from its

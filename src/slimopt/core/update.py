@@ -42,9 +42,12 @@ def decides_on_device(update: Update) -> bool:
 def decide(updates: list[Update]) -> list[bool | Tensor]:
     """For each update, whether its gradient is finite: a bool read on the host, or for an
     update deciding on the device a flag left there."""
-    groups = [None if u.plan.sharding is None else u.plan.sharding.group for u in updates]
-    flags = finite.finite_flags([real(u.grad) for u in updates], groups)
-    on_device = [decides_on_device(u) for u in updates]
+    grads, groups, on_device = [], [], []
+    for update in updates:
+        grads.append(real(update.grad))
+        groups.append(None if update.plan.sharding is None else update.plan.sharding.group)
+        on_device.append(decides_on_device(update))
+    flags = finite.finite_flags(grads, groups)
     read = iter(finite.read([f for f, device in zip(flags, on_device, strict=True) if not device]))
     return [
         flag if device and flag is not None else True if device else next(read)
