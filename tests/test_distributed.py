@@ -158,7 +158,7 @@ def _fsdp2_layerwise_against_stepping(name: str, rank: int, no_sync: bool = Fals
                 optimizer.zero_grad()
         freed = all(p.grad is None for p in model.parameters())
         runs.append([p.full_tensor().detach().clone() for p in model.parameters()])
-    distance = max(((a - b).norm() / b.norm()).item() for a, b in zip(runs[1], runs[0], strict=True))
+    distance = max(relative_error(a, b) for a, b in zip(runs[1], runs[0], strict=True))
     return [distance, float(freed)]
 
 
