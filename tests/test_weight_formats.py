@@ -11,7 +11,7 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -75,6 +75,8 @@ def test_stochastic_rounding_into_codes_is_unbiased() -> None:
     exponent=st.integers(-20, 20),
     seed=st.integers(0, 2**31 - 1),
 )
+# A block whose 127 · scale came out an ulp below its largest value was refitted (found by CI).
+@example(rows=1, blocks=3, block=64, exponent=0, seed=2036557)
 def test_int8_codes_hold_any_matrix_within_half_a_step(rows, blocks, block, exponent, seed) -> None:
     """To nearest, every value is within half its block's step; stochastically, within one step,
     and the scale is kept (nothing outgrew it)."""

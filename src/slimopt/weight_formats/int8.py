@@ -40,6 +40,9 @@ INT8_ONE_PROCESS = (
 )
 BLOCK_SIZE = 256
 HEADROOM = 9 / 8
+# A block fitted to its largest magnitude x has scale x/127, and 127 · (x/127) can come out an ulp
+# or two below x in fp32: such a block still fits its scale.
+FIT_SLACK = 1 + 2**-20
 aten = torch.ops.aten
 
 
@@ -78,7 +81,7 @@ def store_(codes: Tensor, scales: Tensor, values: Tensor, generator: torch.Gener
     blocks = values.view(codes.shape[0], scales.shape[1], -1)
     largest = blocks.abs().amax(-1)
     limit = scales * CODE_MAX
-    refit = (largest > limit) | (largest < limit / 2)
+    refit = (largest > limit * FIT_SLACK) | (largest < limit / 2)
     scales.copy_(torch.where(refit, largest * (HEADROOM / CODE_MAX), scales))
     blocks.mul_(_inverse(scales).unsqueeze(-1))
     codes.copy_(floor_stochastically_(values, generator).clamp_(-CODE_MAX, CODE_MAX))
