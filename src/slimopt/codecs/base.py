@@ -25,6 +25,7 @@ class Storage:
 
     @property
     def stochastic(self) -> bool:
+        """Whether encoding draws random numbers (stochastic rounding)."""
         return self.kind in ("bf16", "ternary")
 
 
@@ -32,8 +33,9 @@ class Codec(Protocol):
     """Stored form of one moment."""
 
     parts: tuple[str, ...]  # names of the stored tensors; "" is the moment's own key
-    stochastic: bool  # whether encode draws random numbers
-    storage: Storage  # the format as ``slimopt.codecs.storage`` and the fused steps read it
+    # The format as ``slimopt.codecs.storage`` and the fused steps read it (and whether encode
+    # draws random numbers: ``storage.stochastic``).
+    storage: Storage
 
     def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         """Return the stored tensors for an fp32 ``value``."""

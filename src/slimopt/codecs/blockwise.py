@@ -46,7 +46,6 @@ class BlockwiseCodec:
     """
 
     parts = ("codes", "absmax")
-    stochastic = False
 
     def __init__(self, code_map: Tensor, block_size: int, *, positive_floor: bool = False) -> None:
         self.code_map = code_map

@@ -22,7 +22,6 @@ class FactoredCodec:
     """(m + n) fp32 numbers for an m×n non-negative matrix."""
 
     parts = ("row", "col")
-    stochastic = False
     storage = Storage("factored")
 
     def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:

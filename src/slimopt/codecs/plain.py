@@ -15,7 +15,6 @@ class Fp32Codec:
     """Stores the fp32 tensor itself: decode and encode are free and share memory."""
 
     parts = ("",)
-    stochastic = False
     storage = Storage()
 
     def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
@@ -53,7 +52,6 @@ class Bf16Codec:
     are not lost to round-to-nearest."""
 
     parts = ("",)
-    stochastic = True
     storage = Storage("bf16")
 
     def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:

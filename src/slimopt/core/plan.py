@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -43,6 +43,15 @@ class Place:
     projected_count: int
 
 
+class MomentStorage(NamedTuple):
+    """How a unit's moments are stored for one layout: each moment's codec, the state key of
+    each stored part (by moment and part), and whether an update draws random numbers."""
+
+    codecs: dict[str, Codec]
+    keys: dict[str, dict[str, str]]
+    draws: bool
+
+
 @dataclass(frozen=True, eq=False)
 class Plan:
     """What the engine needs to know about one unit; see the module docstring."""
@@ -61,11 +70,9 @@ class Plan:
     rounds_weights: bool  # weights rounded stochastically: bf16 (or its correction), int8
     corrects_weights: bool  # bf16 weights with an 8-bit correction in the state
     place: Place
-    # The moments' codecs and whether an update draws, by storage layout: worked out at a
-    # unit's first update (its layout is known then), read at every later one.
-    _codecs: dict[torch.Size, dict[str, Codec]] = field(default_factory=dict, repr=False)
-    _keys: dict[torch.Size, dict[str, dict[str, str]]] = field(default_factory=dict, repr=False)
-    _draws: dict[torch.Size, bool] = field(default_factory=dict, repr=False)
+    # The moments' storage by layout: worked out at a unit's first update (its layout is known
+    # then), read at every later one.
+    _storages: dict[torch.Size, MomentStorage] = field(default_factory=dict, repr=False)
 
     @property
     def fused(self) -> bool:
@@ -102,25 +109,27 @@ class Plan:
 
     def moment_codecs(self, layout: torch.Size) -> dict[str, Codec]:
         """The codec of each moment of the rule, by key, for storage chosen by ``layout``."""
-        codecs = self._codecs.get(layout)
-        if codecs is None:
-            states, block_size = self.group["states"], self.group["block_size"]
-            codecs = self._codecs[layout] = {
-                key: moment_codec(states, kind, layout, block_size)
-                for key, kind in self.rule.moment_kinds.items()
-            }
-        return codecs
+        return (self._storages.get(layout) or self._storage(layout)).codecs
 
     def stored_keys(self, layout: torch.Size) -> dict[str, dict[str, str]]:
         """The state key of each stored part of each moment (``exp_avg.codes``), by moment and
         part, for storage chosen by ``layout``."""
-        keys = self._keys.get(layout)
-        if keys is None:
-            codecs = self.moment_codecs(layout)
-            keys = self._keys[layout] = {
-                key: {part: state_key(key, part) for part in codec.parts} for key, codec in codecs.items()
-            }
-        return keys
+        return (self._storages.get(layout) or self._storage(layout)).keys
+
+    def draws(self, layout: torch.Size) -> bool:
+        """Whether an update draws random numbers: stochastically rounded weights or states."""
+        return (self._storages.get(layout) or self._storage(layout)).draws
+
+    def _storage(self, layout: torch.Size) -> MomentStorage:
+        states, block_size = self.group["states"], self.group["block_size"]
+        codecs = {
+            key: moment_codec(states, kind, layout, block_size)
+            for key, kind in self.rule.moment_kinds.items()
+        }
+        keys = {key: {part: state_key(key, part) for part in codec.parts} for key, codec in codecs.items()}
+        draws = self.rounds_weights or any(codec.storage.stochastic for codec in codecs.values())
+        storage = self._storages[layout] = MomentStorage(codecs, keys, draws)
+        return storage
 
     def row_storages(self, shape: torch.Size | None = None) -> dict[str, RowSlicedStorage]:
         """The slice-by-slice layout of each moment of a unit updated by slices of rows
@@ -146,14 +155,6 @@ class Plan:
     def stored_by_row_slices(self, shape: torch.Size) -> bool:
         """Whether moments of values of ``shape`` (a saved shard's) are stored by row slices."""
         return not self.projected and self.rule.elementwise and sliced(shape)
-
-    def draws(self, layout: torch.Size) -> bool:
-        """Whether an update draws random numbers: stochastically rounded weights or states."""
-        draws = self._draws.get(layout)
-        if draws is None:
-            codecs = self.moment_codecs(layout).values()
-            draws = self._draws[layout] = self.rounds_weights or any(codec.stochastic for codec in codecs)
-        return draws
 
 
 def layout_options(group: dict[str, Any]) -> tuple[Any, ...]:
