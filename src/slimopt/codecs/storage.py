@@ -66,9 +66,11 @@ def encode_into(
         store(parts["row"], row, keep)
         store(parts["col"], col, keep)
     else:
-        blocks = value if value.shape == blocks_shape(parts, storage) else value.reshape(-1)
-        if blocks.dim() == 1:
-            blocks = blockwise.blocks_of(blocks, storage.block_size)
+        blocks = (
+            value
+            if value.shape == blocks_shape(parts, storage)
+            else blockwise.blocks_of(value.reshape(-1), storage.block_size)
+        )
         codes, absmax = blockwise.quantize(blocks, storage, table)
         store(parts["codes"].view(-1), codes, keep)
         store(parts["absmax"], absmax, keep)

@@ -102,8 +102,6 @@ def scale_layout(shape: torch.Size) -> tuple[bool, bool]:
 class TernaryCodec:
     """{-1, 0, +1} × row scale × column scale × per-block power-of-2^(1/4) scale."""
 
-    stochastic = True
-
     def __init__(self, block_size: int, *, row_scale: bool, col_scale: bool) -> None:
         self.block_size = block_size
         self.row_scale = row_scale
@@ -131,8 +129,7 @@ class TernaryCodec:
         # (bytes, columns, digit) → rows in order: digit k of byte row a is row 5a + k.
         digits = digits.view(-1, grid_cols, TRITS_PER_BYTE).transpose(1, 2).reshape(-1, grid_cols)
         signs = digits[:grid_rows].float().sub_(1)
-        scales = exponent_scale(stored["exponents"].view(-1, grid_cols).float())
-        scales = scales.repeat_interleave(self.block_size, dim=0)[:grid_rows]
+        scales = block_scales(stored["exponents"], self.block_size, grid_rows, grid_cols)
         # No name holds the unscaled values: each product frees the one before.
         values = scaled_by_lines((signs * scales).view(rows, cols), stored.get("row"), stored.get("col"))
         return values.view(shape)
@@ -150,13 +147,8 @@ class TernaryCodec:
 def line_scales(matrix: Tensor, storage: Storage) -> tuple[Tensor | None, Tensor | None]:
     """The row scales (row maxima) and the column scales (column maxima of the row-normalized
     matrix) of the fp32 ``matrix`` that ``storage`` keeps; None for one it does not."""
-    normalized = matrix.clamp(-FLOAT32_MAX, FLOAT32_MAX)
-    row = col = None
-    if storage.row_scale:
-        row = normalized.abs().amax(dim=1)
-        normalized.div_(nonzero_scale(row).unsqueeze(1))
-    if storage.col_scale:
-        col = normalized.abs().amax(dim=0)
+    row = matrix.abs().amax(dim=1).clamp_(max=FLOAT32_MAX) if storage.row_scale else None
+    col = normalized_by_lines(matrix, row, None).abs().amax(dim=0) if storage.col_scale else None
     return row, col
 
 
