@@ -30,7 +30,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,27 +224,37 @@ def _results_of(run: GoldenRun) -> dict[str, Any]:
     found["more"] = digest(net, optimizer)
     if run.saved:
         saved = torch.load(file_of(run), weights_only=True)
-        net = run.net()
-        optimizer = run.optimizer(net)
-        net.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        found["loaded"] = digest(net, optimizer)
-        train(run, net, optimizer, LATER)
-        found["continued"] = digest(net, optimizer)
-    if run.saved and "betas" in run.options:
-        net = run.net()
-        optimizer = run.configuration.build(net, **{k: v for k, v in run.options.items() if k != "betas"})
-        net.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        train(run, net, optimizer, LATER)
-        found["continued with today's defaults"] = digest(net, optimizer)
+
+        def from_file(net: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+            net.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+
+        found["loaded"], found["continued"] = _loaded_and_continued(run, run.optimizer, from_file)
+        if "betas" in run.options:
+            today = {k: v for k, v in run.options.items() if k != "betas"}
+            _, found["continued with today's defaults"] = _loaded_and_continued(
+                run, lambda net: run.configuration.build(net, **today), from_file
+            )
     if run.dcp:
-        net = run.net()
-        optimizer = run.optimizer(net)
-        dcp_checkpoint.load(dcp_of(run), net, optimizer)
-        train(run, net, optimizer, LATER)
-        found["continued from DCP"] = digest(net, optimizer)
+        _, found["continued from DCP"] = _loaded_and_continued(
+            run, run.optimizer, lambda net, optimizer: dcp_checkpoint.load(dcp_of(run), net, optimizer)
+        )
     return found
+
+
+def _loaded_and_continued(
+    run: GoldenRun,
+    build: Callable[[nn.Module], torch.optim.Optimizer],
+    load: Callable[[nn.Module, torch.optim.Optimizer], None],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The digests of a fresh network and the optimizer ``build`` makes for it, after ``load``
+    and after two more steps."""
+    net = run.net()
+    optimizer = build(net)
+    load(net, optimizer)
+    loaded = digest(net, optimizer)
+    train(run, net, optimizer, LATER)
+    return loaded, digest(net, optimizer)
 
 
 def pinned_results() -> dict[str, dict[str, Any]]:
