@@ -1,28 +1,28 @@
-"""Fused optimizer steps: read the gradient, decode both moments, update them, encode them and
-write the parameter (or, for a projected matrix, the direction) in one compiled function.
+"""Fused optimizer steps: read the gradient, decode both moments, update them, encode them and write
+the parameter (or, for a projected matrix, the direction) in one compiled function.
 
-The reference path (``slimopt.core.update.reference_update`` with ``slimopt.codecs``) runs a chain of PyTorch
-operations, each a pass over memory; here the same arithmetic is written once as a function of
-the stored tensors and compiled with ``torch.compile``, which fuses it into a few loops: C++ with
-OpenMP on the CPU, Triton kernels on CUDA. The reference path stays the definition: a fused step
-gives the same codes for the same fp32 values and parameters within fp32 round-off (the fused
-loops may contract a multiply and an add into one rounding).
+The reference path (``slimopt.core.update.reference_update`` with ``slimopt.codecs``) runs a chain
+of PyTorch operations, each a pass over memory; here the same arithmetic is written once as a
+function of the stored tensors and compiled with ``torch.compile``, which fuses it into a few
+loops: C++ with OpenMP on the CPU, Triton kernels on CUDA. The reference path stays the
+definition: a fused step gives the same codes for the same fp32 values and parameters within fp32
+round-off (the fused loops may contract a multiply and an add into one rounding).
 
-Covered: the AdamW and Adafactor rules (``adafactor``) with every storage format (``slimopt.codecs.storage``),
-fp32 or bf16 parameters rounded to nearest or stochastically. On CUDA, AdamW moments stored
-elementwise (fp32, bf16, 8- and 4-bit blocks) take the hand-written Triton kernel of
-``triton_adamw`` instead: one launch per tensor, no compilation per shape; matrices with ternary
-states (ternary first moment with row and column scales, factored second moment) take the four
-launches of ``triton_ternary``. Stochastic roundings
-draw from counter-based streams (``slimopt.codecs.draws``) seeded as the reference path seeds
-them, so they draw the same numbers. Small AdamW tensors (norms, biases) are updated together
-(``adamw_steps``): in one launch of ``triton_multi_tensor`` on CUDA, in one compiled call
-elsewhere. Not covered (``slimopt.options.fused_unsupported`` says why): TACO's rule, complex
-parameters, tensors with more than two dimensions under ternary states or Adafactor (their
-factored statistics are over the last two). The steps take tensors, storage descriptors
-(``slimopt.codecs.base.Storage``) and scalars; which step a rule takes, and its scalars, are decided in
-``slimopt.core.fused``. ``policy`` says when the fused step is taken (auto mode, compilers),
-``compiled`` how the steps are compiled.
+Covered: the AdamW and Adafactor rules (``adafactor``) with every storage format
+(``slimopt.codecs.storage``), fp32 or bf16 parameters rounded to nearest or stochastically. On
+CUDA, AdamW moments stored elementwise (fp32, bf16, 8- and 4-bit blocks) take the hand-written
+Triton kernel of ``triton_adamw`` instead: one launch per tensor, no compilation per shape;
+matrices with ternary states (ternary first moment with row and column scales, factored second
+moment) take the four launches of ``triton_ternary``. Stochastic roundings draw from counter-based
+streams (``slimopt.codecs.draws``) seeded as the reference path seeds them, so they draw the same
+numbers. Small AdamW tensors (norms, biases) are updated together (``adamw_steps``): in one launch
+of ``triton_multi_tensor`` on CUDA, in one compiled call elsewhere. Not covered
+(``slimopt.options.fused_unsupported`` says why): TACO's rule, complex parameters, tensors with
+more than two dimensions under ternary states or Adafactor (their factored statistics are over the
+last two). The steps take tensors, storage descriptors (``slimopt.codecs.base.Storage``) and
+scalars; which step a rule takes, and its scalars, are decided in ``slimopt.core.fused``.
+``policy`` says when the fused step is taken (auto mode, compilers), ``compiled`` how the steps
+are compiled.
 """
 
 from __future__ import annotations
