@@ -124,7 +124,7 @@ def timed_steps(setting: dict[str, Any], device: torch.device, steps: int) -> di
     model = build_model({"dtype": "bf16", "checkpointing": False, **setting}, device)
     optimizer = build_optimizer(model, setting["optimizer"], lr=5e-3, **options)
     refresh_seconds: list[float] = []
-    optimizer.watch("refresh", _timer(refresh_seconds, device))
+    optimizer.engine.watch("refresh", _timer(refresh_seconds, device))
     handle = layerwise(optimizer)
     times, first_refresh = [], 0.0
     for _ in range(steps):

@@ -151,7 +151,7 @@ def taco_bytes_per_column(task: Task, variant: Variant, options: dict[str, Any])
         if isinstance(optimizer.rule_of(group), TACORule):
             for param in group["params"]:
                 columns += param.shape[0 if group.get("transposed") else 1]
-                values = optimizer.state_of(param).values()
+                values = optimizer.engine.state_of(param).values()
                 state += sum(value.nbytes for value in values if isinstance(value, torch.Tensor))
     return state / columns
 

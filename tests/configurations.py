@@ -94,7 +94,7 @@ class Configuration:
         elementwise rule in unprojected groups only; elsewhere refused at construction."""
         return not self.projected and self.name not in ("adafactor", "taco")
 
-    def build(self, net: nn.Module, **overrides: Any) -> slimopt.GaLoreOptimizer:
+    def build(self, net: nn.Module, **overrides: Any) -> slimopt.SlimoptOptimizer:
         options = {"lr": self.lr, **self.options, **overrides}
         if self.projected and OPTIMIZERS[self.name].rank is None:
             options.setdefault("rank", RANK)  # APOLLO-Mini keeps its own rank, 1

@@ -102,7 +102,7 @@ class GoldenRun:
         net = make_net(0, self.configuration.experts, self.dtype)
         return slimopt.quantize_weights(net, "int8", skip=()) if self.int8 else net
 
-    def optimizer(self, net: nn.Module) -> slimopt.GaLoreOptimizer:
+    def optimizer(self, net: nn.Module) -> slimopt.SlimoptOptimizer:
         optimizer = self.configuration.build(net, **self.options)
         if self.layerwise is not None:
             slimopt.layerwise(optimizer, **self.layerwise)

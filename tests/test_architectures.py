@@ -123,13 +123,13 @@ def test_each_family_projects_exactly_its_linear_layers_on_the_smaller_side(fami
                 assert names[id(param)] not in EXPECTED_PROJECTED[family]
 
 
-def _projected_names(model: torch.nn.Module, optimizer: slimopt.GaLoreOptimizer) -> dict[str, str]:
+def _projected_names(model: torch.nn.Module, optimizer: slimopt.SlimoptOptimizer) -> dict[str, str]:
     names = {id(p): n for n, p in model.named_parameters()}
     return {
         names[id(p)]: group["name"]
         for group in optimizer.param_groups
         for p in group["params"]
-        if optimizer.projects(p, group)
+        if optimizer.engine.projects(p, group)
     }
 
 
@@ -158,7 +158,7 @@ def test_a_named_side_of_a_conv1d_weight_is_the_linear_layers_side() -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     optimizer.step()
-    basis = optimizer.basis(c_fc, groups["projected_transposed"])
+    basis = optimizer.engine.basis(c_fc, groups["projected_transposed"])
     assert isinstance(basis, Basis) and basis.left is None and tuple(basis.right.shape) == (8, 256)
 
 
@@ -363,8 +363,9 @@ def test_an_experts_checkpoint_loads_into_another_storage_format() -> None:
     assert loading.state[weight]["expert1.exp_avg"].dtype == torch.bfloat16
     for key, value in saved.decoded_state(weight).items():
         assert torch.allclose(loading.decoded_state(weight)[key], value, rtol=1e-2, atol=1e-6), key
-    for unit, twin in zip(loading.units(weight, group), saved.units(weight, group), strict=True):
-        assert torch.equal(loading.basis(unit, group).right, saved.basis(twin, group).right)
+    ours, theirs = loading.engine, saved.engine
+    for unit, twin in zip(ours.units(weight, group), theirs.units(weight, group), strict=True):
+        assert torch.equal(ours.basis(unit, group).right, theirs.basis(twin, group).right)
 
 
 def test_an_expert_without_state_yet_decodes_to_zero_moments() -> None:

@@ -51,7 +51,7 @@ def _options(name: str) -> dict:
     return {**options, "param_rounding": "corrected"} if name.endswith("bf16+8") else options
 
 
-def _optimizer(params_of: torch.nn.Module, name: str) -> slimopt.GaLoreOptimizer:
+def _optimizer(params_of: torch.nn.Module, name: str) -> slimopt.SlimoptOptimizer:
     return slimopt.build_optimizer(params_of, name.split()[0], lr=3e-3, **_options(name))
 
 
@@ -84,7 +84,8 @@ def _parameters_and_bases(
         if "basis_right" in state:
             result[f"{key}.basis"] = state["basis_right"].clone()
         elif "basis_draw" in state:
-            result[f"{key}.basis"] = local.basis(value, local.plan_of(value).group).right.clone()
+            engine = local.engine
+            result[f"{key}.basis"] = engine.basis(value, engine.plan_of(value).group).right.clone()
     return result
 
 

@@ -28,6 +28,7 @@ from slimopt.optimizers import (
     GaLoreAdamW,
     GaLoreAdamW8bit,
     GaLoreOptimizer,
+    SlimoptOptimizer,
     decoded_state,
 )
 from slimopt.registry import available_optimizers, build_optimizer
@@ -45,6 +46,7 @@ __all__ = [
     "GaLoreAdamW8bit",
     "GaLoreOptimizer",
     "LayerwiseHandle",
+    "SlimoptOptimizer",
     "available_optimizers",
     "build_optimizer",
     "decoded_state",

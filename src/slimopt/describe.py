@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from slimopt.codecs.slicing import matrix_shape
 from slimopt.memory import storage_nbytes
-from slimopt.optimizers import GaLoreOptimizer
+from slimopt.optimizers import SlimoptOptimizer
 from slimopt.projection import sides
 from slimopt.sharding import split_by_rows
 
@@ -28,11 +28,11 @@ def _side(param: Tensor, group: dict) -> str:
     return "basis " + " and ".join(parts) + (f" per expert ({param.shape[0]})" if group["experts"] else "")
 
 
-def describe(optimizer: GaLoreOptimizer, model: nn.Module | None = None, *, parameters: bool = True) -> str:
+def describe(optimizer: SlimoptOptimizer, model: nn.Module | None = None, *, parameters: bool = True) -> str:
     """A plain-text summary of ``optimizer``: per param group its settings, state bytes (0
     before the first step creates the state) and update path, then (with ``parameters``) each
     parameter, named from ``model`` where given, with its shape and, if projected, its basis."""
-    if not isinstance(optimizer, GaLoreOptimizer):
+    if not isinstance(optimizer, SlimoptOptimizer):
         raise TypeError(f"describe takes a slimopt optimizer, got {type(optimizer).__name__}")
     names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
     paths = optimizer.fused_path
@@ -40,7 +40,7 @@ def describe(optimizer: GaLoreOptimizer, model: nn.Module | None = None, *, para
     ordinal = 0
     for index, (group, path) in enumerate(zip(optimizer.param_groups, paths, strict=True)):
         params = group["params"]
-        projected = {id(p) for p in params if optimizer.projects(p, group)}
+        projected = {id(p) for p in params if optimizer.engine.projects(p, group)}
         stored = [t for p in params for t in optimizer.state.get(p, {}).values() if isinstance(t, Tensor)]
         settings = [f"states {group['states']}", f"weight decay {group['weight_decay']:g}"]
         if projected:

@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 
 from slimopt.checks import beyond_float32, number
-from slimopt.optimizers import GaLoreOptimizer
+from slimopt.optimizers import SlimoptOptimizer
 from slimopt.projection import project
 from slimopt.sharding import local_view, split_by_rows
 
@@ -91,7 +91,7 @@ class LayerwiseHandle:
 
     def __init__(
         self,
-        optimizer: GaLoreOptimizer,
+        optimizer: SlimoptOptimizer,
         accumulation_steps: int,
         max_grad_norm: float | None,
         scheduler: Any,
@@ -115,7 +115,30 @@ class LayerwiseHandle:
         self._hooks: list[Any] = []
         self._watched: set[Tensor] = set()
         self.watch(list(self._groups))
+        self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+        self._hooks.append(optimizer.register_state_dict_pre_hook(self._before_state_dict))
         optimizer.attach_layerwise(self)
+
+    def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """``optimizer.step()`` ends a half-accumulated optimizer step early; a closure cannot be
+        re-evaluated, as the updates run inside backward."""
+        # torch passes step's own arguments, the optimizer first.
+        if (args[1] if len(args) > 1 else kwargs.get("closure")) is not None:
+            raise RuntimeError(
+                "this optimizer is in layer-wise mode: its updates run inside backward, so a "
+                "closure cannot be re-evaluated; call handle.remove() first"
+            )
+        with torch.no_grad():
+            self.finish_step()
+
+    def _before_state_dict(self, optimizer: Any) -> None:
+        """Refuse a state dict halfway through an accumulation, whose partial sums it could not
+        hold."""
+        if self.pending:
+            raise RuntimeError(
+                f"layer-wise accumulation is at micro-batch {self.micro_step} of "
+                f"{self.accumulation_steps}: save between optimizer steps"
+            )
 
     def admit(self, group: dict[str, Any]) -> None:
         """Train a param group added while layer-wise (the optimizer's ``add_param_group`` calls
@@ -192,7 +215,7 @@ class LayerwiseHandle:
             self._groups = self._group_map()
         group = self._groups[param]
         last = self.micro_step == self.accumulation_steps - 1
-        whole = param not in self._buffers and self.optimizer.needs_whole_gradient(param, group)
+        whole = param not in self._buffers and self.optimizer.engine.needs_whole_gradient(param, group)
         if whole and not self._refreshed_early(param, group):
             if last:
                 self._step_whole(param, group)
@@ -208,13 +231,13 @@ class LayerwiseHandle:
         gradient; whether the parameter can accumulate in its projected space from now on."""
         if self.refresh_from != "micro_batch" or param in self._accumulating:
             return False
-        if not self.optimizer.projects(param, group):
+        if not self.optimizer.engine.projects(param, group):
             return False
         # No basis (its first refresh failed): the step falls back to the whole gradient.
-        return self.optimizer.refreshed_basis(param, group, local_view(param.grad)) is not None
+        return self.optimizer.engine.refreshed_basis(param, group, local_view(param.grad)) is not None
 
     def _accumulate_projected(self, param: Tensor, group: dict[str, Any], last: bool) -> None:
-        basis = self.optimizer.basis(param, group)
+        basis = self.optimizer.engine.basis(param, group)
         grad = local_view(param.grad)
         dtype = grad.dtype
         total = project(grad.reshape(grad.shape[0], -1), basis)  # fp32
@@ -228,26 +251,26 @@ class LayerwiseHandle:
 
     def _step_projected(self, param: Tensor, group: dict[str, Any]) -> None:
         grad = self._clip(param, self._buffers.pop(param))
-        self.optimizer.apply_update(param, group, grad, self.optimizer.basis(param, group))
+        self.optimizer.engine.apply_update(param, group, grad, self.optimizer.engine.basis(param, group))
 
     def _step_whole(self, param: Tensor, group: dict[str, Any]) -> None:
         self._accumulating.discard(param)
         # APOLLO moves the weights by the raw gradient, scaled: that is what it keeps and clips.
-        scaled = self.optimizer.plan_of(param, group).scales_gradient
+        scaled = self.optimizer.engine.plan_of(param, group).scales_gradient
         raw = self._clip(param, local_view(param.grad)) if scaled else local_view(param.grad)
-        prepared = self.optimizer.gradient_in_space(param, group, raw)
+        prepared = self.optimizer.engine.gradient_in_space(param, group, raw)
         param.grad = None
         if not scaled:
             raw = None  # the gradient in the rule's space is all the update needs: free the rest
         if prepared is not None:
             grad, basis = prepared
             grad = grad if scaled else self._clip(param, grad)
-            self.optimizer.apply_update(param, group, grad, basis, raw=raw)
+            self.optimizer.engine.apply_update(param, group, grad, basis, raw=raw)
 
     def _clip(self, param: Tensor, grad: Tensor) -> Tensor:
         """``grad`` (of ``param``, this process's rows of it under FSDP2) scaled to a norm of at
         most ``max_grad_norm``; the norm is the whole tensor's."""
-        norm = self.optimizer.gradient_norm(param, grad)
+        norm = self.optimizer.engine.gradient_norm(param, grad)
         self._norms.append(norm)
         if self.max_grad_norm is None:
             return grad
@@ -292,7 +315,7 @@ class LayerwiseHandle:
 
 
 def layerwise(
-    optimizer: GaLoreOptimizer,
+    optimizer: SlimoptOptimizer,
     accumulation_steps: int = 1,
     *,
     max_grad_norm: float | None = None,
@@ -312,7 +335,7 @@ def layerwise(
     ``refresh_from``, and ``RuntimeError`` when the optimizer is already layer-wise or, in a
     multi-process run, holds parameters that FSDP2 does not split (DDP's, replicated ones).
     """
-    if not isinstance(optimizer, GaLoreOptimizer):
+    if not isinstance(optimizer, SlimoptOptimizer):
         raise TypeError(
             f"layer-wise mode needs a slimopt optimizer (slimopt.available_optimizers()), "
             f"got {type(optimizer).__name__}"
@@ -337,7 +360,7 @@ def layerwise(
     return LayerwiseHandle(optimizer, accumulation_steps, max_grad_norm, scheduler, refresh_from)
 
 
-def _check_gradients_are_averaged(optimizer: GaLoreOptimizer) -> None:
+def _check_gradients_are_averaged(optimizer: SlimoptOptimizer) -> None:
     """Raise ``RuntimeError`` when a hook would see a gradient not yet averaged over processes:
     in a multi-process run, every parameter must be split by rows (FSDP2 reduce-scatters before
     the hook fires)."""

@@ -1,5 +1,5 @@
 """slimopt's optimizers: each one a choice of update rule and defaults over the
-``torch.optim`` shell (``slimopt.core.shell.GaLoreOptimizer``), constructors and docs only."""
+``torch.optim`` shell (``slimopt.core.shell.SlimoptOptimizer``), constructors and docs only."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from torch import Tensor
 
 from slimopt.core.hyperparameters import recording_given
-from slimopt.core.shell import GaLoreOptimizer
+from slimopt.core.shell import GaLoreOptimizer, SlimoptOptimizer
 from slimopt.rules import AdafactorRule, AdamWRule, TACORule
 from slimopt.rules.taco import TACO_DEFAULTS
 
@@ -26,11 +26,12 @@ __all__ = [
     "GaLoreAdamW",
     "GaLoreAdamW8bit",
     "GaLoreOptimizer",
+    "SlimoptOptimizer",
     "decoded_state",
 ]
 
 
-class GaLoreAdamW(GaLoreOptimizer):
+class GaLoreAdamW(SlimoptOptimizer):
     """AdamW whose param groups with a ``rank`` key run in a GaLore low-rank subspace.
 
     Groups without ``rank`` reproduce ``torch.optim.AdamW``. Projection options (per group, or
@@ -83,7 +84,7 @@ class APOLLOAdamW(GaLoreAdamW):
     }
 
 
-class GaLoreAdafactor(GaLoreOptimizer):
+class GaLoreAdafactor(SlimoptOptimizer):
     """Adafactor (Hugging Face formulation) with GaLore projection for groups with ``rank``.
 
     ``lr=None`` uses Adafactor's relative step size. Projected matrices keep a whole second
@@ -162,7 +163,7 @@ class AdamWTernary(GaLoreAdamW):
         super().__init__(params, lr, betas, eps, weight_decay, **options)
 
 
-class TACO(GaLoreOptimizer):
+class TACO(SlimoptOptimizer):
     """TACO: each matrix moves by one entry per column (its largest, ±m/n; ``slimopt.rules.taco``),
     taken from a per-column sketch of the gradient history (``k`` slots, ``beta``). Its groups
     take 2-D weights in ``nn.Linear``'s out × in layout (``transposed=True``: in × out);
@@ -206,8 +207,8 @@ class TACO(GaLoreOptimizer):
 AdamW8bit = GaLoreAdamW8bit
 
 
-def decoded_state(optimizer: GaLoreOptimizer, param: Tensor) -> dict[str, Tensor]:
+def decoded_state(optimizer: SlimoptOptimizer, param: Tensor) -> dict[str, Tensor]:
     """The fp32 moments of ``param`` in ``optimizer``, whatever their storage format: in the
     parameter's shape, or a projected matrix's rank-r space (see
-    ``GaLoreOptimizer.decoded_state``)."""
+    ``SlimoptOptimizer.decoded_state``)."""
     return optimizer.decoded_state(param)

@@ -292,7 +292,7 @@ def _run(
     tracker.adopt(weights)
     workspace = {"refresh": 0, "update": 0}
     for phase in ("refresh", "update"):
-        optimizer.watch(phase, _window(tracker, workspace, phase))
+        optimizer.engine.watch(phase, _window(tracker, workspace, phase))
     cuda_base = _cuda_start(device, weights)
     step_peaks = []
     # One unit per micro-batch's forward and backward, and one per optimizer step.
@@ -426,7 +426,7 @@ def _progress_bar(enabled: bool, total: int, label: str) -> Any:
 
 
 def _window(tracker: LiveBytes, record: dict[str, int], key: str) -> Callable[[], Any]:
-    """A probe for ``GaLoreOptimizer.watch`` that records the largest temporary memory of any
+    """A probe for ``SlimoptOptimizer.watch`` that records the largest temporary memory of any
     call in ``record[key]``."""
 
     @contextmanager

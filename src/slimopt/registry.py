@@ -24,7 +24,7 @@ from slimopt.optimizers import (
     GaLoreAdafactor,
     GaLoreAdamW,
     GaLoreAdamW8bit,
-    GaLoreOptimizer,
+    SlimoptOptimizer,
 )
 from slimopt.options import NONE_OPTIONS, OPTION_TYPES, PROJECTION_DEFAULTS
 from slimopt.sharding import split_by_rows
@@ -60,7 +60,7 @@ class OptimizerSpec:
     """An optimizer class, whether its selected matrices are projected, and the name's own rank
     and projection options where the class has no such default (APOLLO-Mini's)."""
 
-    cls: type[GaLoreOptimizer]
+    cls: type[SlimoptOptimizer]
     projected: bool
     rank: int | None = None
     options: tuple[tuple[str, Any], ...] = ()
@@ -205,7 +205,7 @@ def build_optimizer(
     rank: int | None = None,
     target_modules: str | list[str] | None = None,
     **options: Any,
-) -> GaLoreOptimizer:
+) -> SlimoptOptimizer:
     """Optimizer ``name`` (slimopt's or Hugging Face's, see ``resolve_name``) configured for ``model``.
 
     The param groups, each named by ``group["name"]``, in this order (empty ones left out):
@@ -322,7 +322,7 @@ def _build_taco(
     rank: int | None,
     target_modules: str | list[str] | None,
     **options: Any,
-) -> GaLoreOptimizer:
+) -> SlimoptOptimizer:
     """``build_optimizer(model, "taco")``: the selected linear layers' weights in a group
     ``"taco"`` (``Conv1D`` ones in ``"taco_transposed"``), every other matrix in ``"fallback"``
     and vectors in ``"no_decay"``, both with ``TACO_FALLBACK`` (AdamW, int8 moments; override

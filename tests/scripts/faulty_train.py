@@ -27,7 +27,7 @@ def plant(point: str, rank: int, count: int) -> None:
     """Patch the code at ``point`` so that process ``rank`` fails there the ``count``-th time."""
     import torch.distributed.checkpoint.filesystem as dcp_files
 
-    from slimopt.optimizers import GaLoreOptimizer
+    from slimopt.optimizers import SlimoptOptimizer
     from slimopt.train import checkpoint
 
     passes = [0]
@@ -41,14 +41,14 @@ def plant(point: str, rank: int, count: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     if point == "step":
-        step = GaLoreOptimizer.step
+        step = SlimoptOptimizer.step
 
         def killed_step(self, *args, **kwargs):
             if due():
                 kill()
             return step(self, *args, **kwargs)
 
-        GaLoreOptimizer.step = killed_step
+        SlimoptOptimizer.step = killed_step
     elif point in ("dcp-before", "dcp-after", "enospc"):
         write = dcp_files.FileSystemWriter.write_data
 

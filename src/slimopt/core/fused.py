@@ -1,7 +1,7 @@
 """The fused path of one update (``slimopt.kernels``): moments and weights in one compiled step,
 or for a projected matrix the direction, projected back as the reference path does; and the
 small AdamW tensors of a step together in one call. Where auto mode's fused step does not
-compile it is given up for the rest of the process (``NotCompiled``, a warning)."""
+compile, its optimizer gives it up for good (``NotCompiled``, a warning)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def fused_step(
     except kernels.compile_failures() as error:
         if plan.group["fused"] is True:
             raise
-        give_up_auto(error)
+        give_up_auto(plan.auto, error)
         raise NotCompiled from error
 
 
@@ -155,17 +155,17 @@ def update_together(batch: list[Update]) -> list[Outcome]:
     except kernels.compile_failures() as error:
         if any(u.plan.group["fused"] is True for u in batch):
             raise
-        give_up_auto(error)
+        give_up_auto(batch[0].plan.auto, error)
         raise NotCompiled from error
     return [Outcome.TAKEN if u.keep is None else Outcome.MASKED for u in batch]
 
 
-def give_up_auto(error: Exception) -> None:
+def give_up_auto(auto: kernels.AutoFusing, error: Exception) -> None:
     """Auto mode's answer to a fused step that did not compile: the reference path from now on
     (it promised only the fastest exact path, and the reference path is one), with a warning."""
     cause = getattr(error, "inner_exception", error)
     reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-    kernels.give_up_auto(reason)
+    auto.give_up(reason)
     warnings.warn(
         f"slimopt: the fused step did not compile ({reason}); fused=None uses the reference path from now on",
         RuntimeWarning,

@@ -126,7 +126,7 @@ def _rule_keys(optimizer: Optimizer, rule: Any, param: Tensor, group: dict[str, 
     """The keys of the state ``rule`` creates for ``param`` (each expert's, with experts)."""
     shape = param.shape[1:] if group["experts"] else param.shape
     gradient = torch.empty(shape, device="meta")
-    return set(rule.init_state(gradient, group, projected=optimizer.projects(param, group)))
+    return set(rule.init_state(gradient, group, projected=optimizer.engine.projects(param, group)))
 
 
 def _root(key: str) -> str:
@@ -167,7 +167,7 @@ def from_torch_adam(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[st
         unknown = set(saved_state) - TORCH_ADAM_STATE_KEYS
         if unknown:
             raise ValueError(f"parameter {ordinal}: unknown Adam state {', '.join(sorted(unknown))}")
-        if optimizer.projects(param, current) and "exp_avg" in saved_state:
+        if optimizer.engine.projects(param, current) and "exp_avg" in saved_state:
             raise ValueError(
                 f"parameter {ordinal} {tuple(param.shape)} is projected (rank={current['rank']}): "
                 "full-size Adam moments have no exact counterpart in its rank-r subspace; load this "
@@ -268,19 +268,20 @@ def restore_storage(optimizer: Optimizer, storage: list[dict[str, Any]]) -> None
         for param in group["params"]:
             if param not in optimizer.state:
                 continue
-            for unit in optimizer.units(param, group):  # the parameter, or each of its experts
-                basis = optimizer.basis(unit, group) if optimizer.projects(unit, group) else None
+            engine = optimizer.engine
+            for unit in engine.units(param, group):  # the parameter, or each of its experts
+                basis = engine.basis(unit, group) if engine.projects(unit, group) else None
                 contents.append((unit, optimizer.decoded_state(unit), basis))
         group.update(wanted)
         for unit, moments, basis in contents:
-            state = optimizer.state_of(unit)
+            state = optimizer.engine.state_of(unit)
             # Moments and bases are stored anew; APOLLO's limiter norm and a weight correction stay.
             for key in [k for k, v in state.items() if isinstance(v, Tensor) and k not in KEPT]:
                 del state[key]
             if moments:
-                optimizer.store_moments(unit, moments)
+                optimizer.engine.store_moments(unit, moments)
             if basis is not None:
-                optimizer.store_basis(unit, basis)
+                optimizer.engine.store_basis(unit, basis)
 
 
 def load_state_dict(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
@@ -308,7 +309,7 @@ def load_state_dict(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
         for key, value in saved_state.get(saved_id, {}).items():
             if isinstance(value, Tensor):
                 optimizer.state[param][key] = value.to(device=param.device, copy=True)
-    optimizer.replan()
+    optimizer.engine.replan()
     drop_corrections(optimizer)
     restore_storage(optimizer, storage)
     for hook in optimizer._optimizer_load_state_dict_post_hooks.values():

@@ -67,6 +67,7 @@ class Plan:
     values_shape: torch.Size  # this process's values (real pairs of a complex parameter)
     by_row_slices: bool  # moments stored and updated a slice of rows at a time
     fusable: bool  # whether updates take the fused step (unless auto mode gives it up)
+    auto: kernels.AutoFusing  # the optimizer's auto mode, which a failed compile gives up
     rounds_weights: bool  # weights rounded stochastically: bf16 (or its correction), int8
     corrects_weights: bool  # bf16 weights with an 8-bit correction in the state
     place: Place
@@ -76,9 +77,9 @@ class Plan:
 
     @property
     def fused(self) -> bool:
-        """Whether updates take the fused step now: auto mode gives it up for the rest of the
-        process when a fused step fails to compile (``kernels.give_up_auto``)."""
-        return self.fusable and (self.group["fused"] is True or kernels.auto_failure() is None)
+        """Whether updates take the fused step now: auto mode gives it up for good when a fused
+        step fails to compile (``kernels.AutoFusing``)."""
+        return self.fusable and (self.group["fused"] is True or self.auto.failure is None)
 
     def current(self, group: dict[str, Any]) -> bool:
         """Whether this plan still holds for a unit of ``group``."""
@@ -183,7 +184,8 @@ def make_plan(
         sharding=None if expert is not None else context.sharding(param),
         values_shape=shape,
         by_row_slices=not projected and rule.elementwise and sliced(shape),
-        fusable=fusable(unit, group, rule),
+        fusable=fusable(unit, group, rule, context.auto),
+        auto=context.auto,
         rounds_weights=isinstance(unit, Int8Weight)
         or (group["param_rounding"] != "nearest" and unit.dtype == torch.bfloat16),
         corrects_weights=corrects_weights(unit, group),
@@ -194,11 +196,13 @@ def make_plan(
 @dataclass(frozen=True)
 class PlanContext:
     """What a plan is worked out from besides the unit and its group: the optimizer's rule
-    lookup, the (cached) row sharding of a parameter and its place in the model."""
+    lookup, the (cached) row sharding of a parameter, its place in the model and the
+    optimizer's auto mode."""
 
     rule_of: Callable[[dict[str, Any]], UpdateRule]
     sharding: Callable[[Tensor], RowSharding | None]
     place: Callable[[Tensor], Place]
+    auto: kernels.AutoFusing
 
 
 def corrects_weights(unit: Tensor, group: dict[str, Any]) -> bool:
@@ -210,21 +214,21 @@ def corrects_weights(unit: Tensor, group: dict[str, Any]) -> bool:
     )
 
 
-def fusable(param: Tensor, group: dict[str, Any], rule: UpdateRule) -> bool:
+def fusable(param: Tensor, group: dict[str, Any], rule: UpdateRule, auto: kernels.AutoFusing) -> bool:
     """Whether ``param`` takes the fused step (``slimopt.kernels``): always with
-    ``fused=True``, never with False, and with None (auto) on CUDA where one exists."""
+    ``fused=True``, never with False, and with None where ``auto`` fuses and one exists."""
     choice = group["fused"]
     if choice is False or param.is_meta:
         return False
     if choice is True:
         return True
-    return kernels.auto_available(param.device.type) and fused_unsupported(rule, group, param) is None
+    return auto.available(param.device.type) and fused_unsupported(rule, group, param) is None
 
 
 def path_of(group: dict[str, Any], plans: list[Plan]) -> str:
     """The path the updates of ``group`` (its non-empty parameters' ``plans``) take: "fused",
     or "reference" with why, or "none" for a group without elements to update
-    (``GaLoreOptimizer.fused_path``)."""
+    (``SlimoptOptimizer.fused_path``)."""
     if not plans:
         return "none (no elements to update)"
     if all(plan.fused for plan in plans):
@@ -232,8 +236,9 @@ def path_of(group: dict[str, Any], plans: list[Plan]) -> str:
     if group["fused"] is False:
         return "reference (fused=False)"
     reasons = {fused_unsupported(plan.rule, plan.group, plan.param) for plan in plans} - {None}
-    if not reasons and kernels.auto_failure():
-        reasons = {f"the fused step did not compile: {kernels.auto_failure()}"}
+    failure = plans[0].auto.failure  # every plan of an optimizer shares its auto mode
+    if not reasons and failure:
+        reasons = {f"the fused step did not compile: {failure}"}
     devices = {plan.param.device.type for plan in plans}
     why = (
         "; ".join(sorted(reasons))

@@ -1,11 +1,12 @@
 """Units of an update and their counters: one view per expert of a stacked parameter and its
 part of the parameter's state (``ExpertState``), each parameter's place in the model, the
-counters a unit's state starts with, and the warnings that name a unit."""
+counters a unit's state starts with, and the warnings that name a unit. Which view is which
+expert is the engine's to remember (``slimopt.core.engine``)."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 from torch import Tensor
@@ -15,38 +16,21 @@ from slimopt.core.state import MOMENT_STEP, REFRESH_OFFSET, SEED, SKIPS, STEP
 from slimopt.options import is_projected, sharding_errors
 from slimopt.sharding import split_by_rows
 
-# The attribute a parameter carries its place in the whole model under (see ``places``).
-IDENTITY = "_slimopt_identity"
-# The attribute an expert's view carries (its parameter, its index) under.
-EXPERT = "_slimopt_expert"
 
-
-def units(tensor: Tensor, group: dict[str, Any]) -> list[Tensor]:
-    """What an update of ``tensor`` (a parameter of ``group``, or its gradient) works on: the
-    tensor itself, or in a group with ``experts`` one view per expert (along the first
-    dimension), each updated as a 2-D parameter with its own state."""
+def split(tensor: Tensor, group: dict[str, Any]) -> list[Tensor]:
+    """``tensor`` (a parameter of ``group``, or its gradient) as the units of its update: itself,
+    or in a group with ``experts`` one view per expert along the first dimension."""
     if not group["experts"]:
         return [tensor]
-    views = []
-    for index in range(tensor.shape[0]):
-        view = tensor.detach()[index]
-        setattr(view, EXPERT, (tensor, index))
-        views.append(view)
-    return views
+    return [tensor.detach()[index] for index in range(tensor.shape[0])]
 
 
-def expert_of(unit: Tensor) -> tuple[Tensor, int] | None:
-    """(parameter, expert index) of a view made by ``units``, else None."""
-    return getattr(unit, EXPERT, None)
-
-
-def state_of(state: dict[Tensor, Any], unit: Tensor) -> MutableMapping[str, Any]:
-    """The state of ``unit`` in an optimizer's ``state``: a parameter's own, or an expert's part
-    of its parameter's (the keys that start with ``expert{index}.``)."""
-    expert = expert_of(unit)
+def state_of(state: dict[Tensor, Any], param: Tensor, expert: int | None) -> MutableMapping[str, Any]:
+    """The state of ``param`` in an optimizer's ``state``, or of its expert ``expert``: that
+    expert's part of the parameter's (the keys that start with ``expert{index}.``)."""
     if expert is None:
-        return state[unit]
-    return ExpertState(state[expert[0]], expert[1])
+        return state[param]
+    return ExpertState(state[param], expert)
 
 
 class ExpertState(MutableMapping[str, Any]):
@@ -73,15 +57,14 @@ class ExpertState(MutableMapping[str, Any]):
         return sum(1 for _ in self)
 
 
-def places(param_groups: list[dict[str, Any]]) -> dict[Tensor, Place]:
-    """Each parameter's ``Place``. A parameter that carries ``IDENTITY``
-    (``slimopt.distributed.zero_redundancy_optimizer`` stamps the whole model's on each) keeps
-    it, so a process that holds some of the parameters draws as one that holds all of them."""
+def places(param_groups: list[dict[str, Any]], given: Mapping[Tensor, Place]) -> dict[Tensor, Place]:
+    """Each parameter's ``Place``, or the one ``given`` for it (ZeRO-1 gives each the whole
+    model's, so that a process that holds some of the parameters draws as one that holds all)."""
     projected = [p for g in param_groups for p in g["params"] if is_projected(p, g)]
     projected_index = {p: i for i, p in enumerate(projected)}
     every = [p for g in param_groups for p in g["params"]]
     return {
-        p: getattr(p, IDENTITY, Place(i, projected_index.get(p, 0), max(len(projected), 1)))
+        p: given.get(p) or Place(i, projected_index.get(p, 0), max(len(projected), 1))
         for i, p in enumerate(every)
     }
 

@@ -63,9 +63,9 @@ def spread_refreshes(optimizer: Any, group: Any = None) -> None:
     process group, and ``ValueError`` for parameters FSDP2 splits (their refreshes are already
     shared: each process sketches its own rows) and for int8 weights (they train in one
     process)."""
-    from slimopt.optimizers import GaLoreOptimizer
+    from slimopt.optimizers import SlimoptOptimizer
 
-    if not isinstance(optimizer, GaLoreOptimizer):
+    if not isinstance(optimizer, SlimoptOptimizer):
         raise TypeError(f"spread_refreshes needs a slimopt optimizer, got {type(optimizer).__name__}")
     if not initialized():
         raise RuntimeError("spread_refreshes needs a torch.distributed process group (torchrun)")
@@ -76,7 +76,7 @@ def spread_refreshes(optimizer: Any, group: Any = None) -> None:
             f"parameters {split[:3]} are split by FSDP2, whose refreshes each process already shares "
             "(sketches of its own rows); spread_refreshes is for DDP"
         )
-    optimizer.share_refreshes(group if group is not None else torch.distributed.group.WORLD)
+    optimizer.engine.refresh_group = group if group is not None else torch.distributed.group.WORLD
 
 
 def zero_redundancy_optimizer(model: nn.Module, name: str, *, lr: float | None, **options: Any) -> Any:
@@ -85,21 +85,18 @@ def zero_redundancy_optimizer(model: nn.Module, name: str, *, lr: float | None, 
     process updates, and computes the bases of, only the parameters it owns; ZeRO broadcasts them.
     Its ``load_state_dict`` goes through slimopt's loading (``slimopt.distributed.zero``).
 
-    Every parameter is stamped with its place in the whole model first, so random draws and
-    refresh staggering do not depend on which process owns it. Raises what ``build_optimizer``
+    Each process's optimizer is given every parameter's place in the whole model, so random
+    draws and refresh staggering do not depend on which process owns it. Raises what ``build_optimizer``
     raises, and ``ValueError`` for int8 weights (they train in one process)."""
-    from slimopt.core.units import IDENTITY
     from slimopt.distributed.zero import SlimoptZeroRedundancyOptimizer
     from slimopt.registry import OPTIMIZERS, build_optimizer, resolve_name
 
     _refuse_int8(model.parameters())
     whole = build_optimizer(model, name, lr=lr, **options)  # no state yet: groups and places only
-    for param, identity in whole.places().items():
-        setattr(param, IDENTITY, identity)
     groups = [{**group, "params": list(group["params"])} for group in whole.param_groups]
     cls = OPTIMIZERS[resolve_name(name)].cls
     hyper = {key: value for key, value in whole.defaults.items() if key != "differentiable"}
-    return SlimoptZeroRedundancyOptimizer(groups, optimizer_class=cls, **hyper)
+    return SlimoptZeroRedundancyOptimizer(groups, whole.engine.places(), optimizer_class=cls, **hyper)
 
 
 def __getattr__(name: str) -> Any:

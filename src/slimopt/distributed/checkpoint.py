@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from slimopt.core.state import CORRECTION, LIMITER, MOMENT_STEP, is_basis_key
 from slimopt.core.tensors import values as own_values
 from slimopt.files import move_into_place
-from slimopt.optimizers import GaLoreOptimizer
+from slimopt.optimizers import SlimoptOptimizer
 from slimopt.sharding import barrier, initialized, local_view, process_rank
 
 MODEL, OPTIMIZER = "model/", "optimizer/"
@@ -45,7 +45,7 @@ GROUPS = "optimizer/groups"
 SHARD = "/shard "  # ``<key>/shard <i> of <n>``
 
 
-def save(directory: str | Path, model: nn.Module, optimizer: GaLoreOptimizer) -> Path:
+def save(directory: str | Path, model: nn.Module, optimizer: SlimoptOptimizer) -> Path:
     """Write ``model`` and ``optimizer`` to the DCP checkpoint ``directory`` (every process of
     the run calls this; they must share the file system) and return its path.
 
@@ -67,7 +67,7 @@ def save(directory: str | Path, model: nn.Module, optimizer: GaLoreOptimizer) ->
     return final
 
 
-def write(directory: str | Path, model: nn.Module, optimizer: GaLoreOptimizer) -> None:
+def write(directory: str | Path, model: nn.Module, optimizer: SlimoptOptimizer) -> None:
     """Write the checkpoint into ``directory`` as it is (no staging; ``save`` stages). Every
     process calls this. Raises ``TypeError`` for an optimizer that is not slimopt's."""
     _check_optimizer(optimizer)
@@ -77,7 +77,7 @@ def write(directory: str | Path, model: nn.Module, optimizer: GaLoreOptimizer) -
         dcp.save(items, checkpoint_id=directory, no_dist=not initialized())
 
 
-def load(directory: str | Path, model: nn.Module, optimizer: GaLoreOptimizer | None = None) -> None:
+def load(directory: str | Path, model: nn.Module, optimizer: SlimoptOptimizer | None = None) -> None:
     """Load the DCP checkpoint ``directory`` into ``model`` and ``optimizer`` (every process of
     the run calls this), whatever number of processes wrote it.
 
@@ -125,7 +125,7 @@ def export_model(directory: str | Path, file: str | Path) -> Path:
     return file
 
 
-def _optimizer_items(model: nn.Module, optimizer: GaLoreOptimizer) -> dict[str, Tensor]:
+def _optimizer_items(model: nn.Module, optimizer: SlimoptOptimizer) -> dict[str, Tensor]:
     names = _names(model, optimizer)
     groups = []
     for group in optimizer.param_groups:
@@ -136,7 +136,7 @@ def _optimizer_items(model: nn.Module, optimizer: GaLoreOptimizer) -> dict[str, 
         items[f"{OPTIMIZER}{name}/scalars"] = _json_tensor(
             {key: value for key, value in state.items() if not isinstance(value, Tensor)}
         )
-        sharding = optimizer.sharding_of(param)
+        sharding = optimizer.engine.sharding_of(param)
         shard = "" if sharding is None else _shard_suffix(param)
         for key, value in state.items():
             if isinstance(value, Tensor):
@@ -147,7 +147,7 @@ def _optimizer_items(model: nn.Module, optimizer: GaLoreOptimizer) -> dict[str, 
 class _OptimizerLoad:
     """What one process reads of a checkpoint's optimizer state, and how it is restored."""
 
-    def __init__(self, model: nn.Module, optimizer: GaLoreOptimizer, saved: dict[str, Any]) -> None:
+    def __init__(self, model: nn.Module, optimizer: SlimoptOptimizer, saved: dict[str, Any]) -> None:
         _check_optimizer(optimizer)
         self.optimizer = optimizer
         self.names = _names(model, optimizer)
@@ -163,7 +163,7 @@ class _OptimizerLoad:
         for param, name in self.names.items():
             self.targets[f"{OPTIMIZER}{name}/scalars"] = _empty(saved[f"{OPTIMIZER}{name}/scalars"])
             count = self._saved_count(name)
-            own = _shard_suffix(param) if optimizer.sharding_of(param) is not None else ""
+            own = _shard_suffix(param) if optimizer.engine.sharding_of(param) is not None else ""
             # The shard suffix of the keys to restore as they are: this process's own, or for a
             # whole parameter the one shard of a parameter one FSDP2 process saved ("0 of 1").
             wanted: str | None = own or _suffix(0, 1)
@@ -247,16 +247,16 @@ class _OptimizerLoad:
             values = torch.Size((saved_rows, *own_values(param).shape[1:]))
             saved_state = {**stored, MOMENT_STEP: moment_step}
             shard = (values, rows if count > 1 else None)
-            moments = optimizer.decoded_saved(param, saved_state, shard, storage)
+            moments = optimizer.engine.decoded_saved(param, saved_state, shard, storage)
             if CORRECTION in stored:  # bf16 weights' 8-bit correction: rows, as the weights
                 moments[CORRECTION] = stored[CORRECTION]
             for key, value in moments.items():
                 pieces.setdefault(key, []).append(value[start - first : stop - first])
         moments = {key: torch.cat(parts) for key, parts in pieces.items()}
         correction = moments.pop(CORRECTION, None)
-        optimizer.store_moments(param, moments)
+        optimizer.engine.store_moments(param, moments)
         optimizer.state[param][MOMENT_STEP] = moment_step
-        if correction is not None and optimizer.plan_of(param).corrects_weights:
+        if correction is not None and optimizer.engine.plan_of(param).corrects_weights:
             optimizer.state[param][CORRECTION] = correction
 
 
@@ -267,7 +267,7 @@ def _replicated(key: str) -> bool:
 
 
 def _check_optimizer(optimizer: Any) -> None:
-    if not isinstance(optimizer, GaLoreOptimizer):
+    if not isinstance(optimizer, SlimoptOptimizer):
         raise TypeError(
             f"slimopt.distributed.checkpoint saves slimopt optimizers, got {type(optimizer).__name__}; "
             "for ZeroRedundancyOptimizer use consolidate_state_dict and torch.save"
@@ -287,7 +287,7 @@ def _check_model(model_state: dict[str, Tensor], saved: dict[str, Any]) -> None:
             raise ValueError(f"the checkpoint's {key} has shape {shape}, the model's {tuple(value.shape)}")
 
 
-def _names(model: nn.Module, optimizer: GaLoreOptimizer) -> dict[Tensor, str]:
+def _names(model: nn.Module, optimizer: SlimoptOptimizer) -> dict[Tensor, str]:
     """Each parameter of ``optimizer`` by its name in ``model``."""
     by_tensor = {param: name for name, param in model.named_parameters()}
     names = {}
@@ -319,9 +319,9 @@ def _saved_rows(rows: int, shard: str) -> tuple[int, int]:
     return first, min(chunk, rows - first)
 
 
-def _own_rows(optimizer: GaLoreOptimizer, param: Tensor) -> tuple[int, int]:
+def _own_rows(optimizer: SlimoptOptimizer, param: Tensor) -> tuple[int, int]:
     """First row and row count this process holds of ``param``."""
-    sharding = optimizer.sharding_of(param)
+    sharding = optimizer.engine.sharding_of(param)
     return (0 if sharding is None else sharding.offset), local_view(param).shape[0]
 
 

@@ -8,21 +8,38 @@ kept fp32 moments under groups that said fp32, and one resumed as bf16+8 from bf
 no correction. Here this process's part of the state dict goes through the slimopt optimizer's
 ``load_state_dict`` (checks, another storage format re-encoded, its own ``param_rounding`` and
 ``fused``), and the groups keep what that loading keeps.
+
+The local optimizer is given each parameter's place in the whole model, so that its random draws
+and refresh staggering do not depend on which parameters this process owns.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import chain
 from typing import Any
 
+from torch import Tensor
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from slimopt.core.plan import Place
 from slimopt.options import OWN_KEYS, STORAGE_KEYS
 
 
 class SlimoptZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
     """``ZeroRedundancyOptimizer`` over a slimopt optimizer class (``zero_redundancy_optimizer``
-    builds it); only ``load_state_dict`` differs (see the module docstring)."""
+    builds it) whose local optimizer takes ``places``, each parameter's place in the whole
+    model; ``load_state_dict`` differs too (see the module docstring)."""
+
+    def __init__(self, params: Any, places: Mapping[Tensor, Place], **options: Any) -> None:
+        self._places = places  # read by _init_local_optimizer, which the constructor calls
+        super().__init__(params, **options)
+
+    def _init_local_optimizer(self) -> None:
+        """torch's construction of the local optimizer (also after ``add_param_group``), which
+        then takes the places of the whole model."""
+        super()._init_local_optimizer()
+        self.optim.engine.keep_places(self._places)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a consolidated state dict (``consolidate_state_dict``, then ``state_dict``): this

@@ -31,7 +31,7 @@ from typing import Any
 from torch import nn
 
 from slimopt.layerwise import LayerwiseHandle, check_refresh_from, layerwise
-from slimopt.optimizers import TERNARY_BETAS, AdamWTernary, GaLoreAdafactor, GaLoreOptimizer
+from slimopt.optimizers import TERNARY_BETAS, AdamWTernary, GaLoreAdafactor, SlimoptOptimizer
 from slimopt.options import OPTION_TYPES
 from slimopt.registry import (
     HF_NAMES,
@@ -118,7 +118,7 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
 
 def create_optimizer(
     model: nn.Module, args: Any, name: str | None = None, *, rows_split: bool = False
-) -> GaLoreOptimizer:
+) -> SlimoptOptimizer:
     """The slimopt optimizer ``name`` (default: ``args.optim``) for ``model``, configured from
     ``TrainingArguments`` ``args``.
 
@@ -184,7 +184,7 @@ class SlimoptTrainer(Trainer):
         self.refresh_from = refresh_from
         self.layerwise_handle: LayerwiseHandle | None = None
 
-    def create_optimizer(self, model: nn.Module | None = None) -> GaLoreOptimizer:
+    def create_optimizer(self, model: nn.Module | None = None) -> SlimoptOptimizer:
         """Create the slimopt optimizer (once) and, for a ``_layerwise`` name, its hooks; raises
         ``ValueError`` for int8 weights in a run of several processes (they train in one)."""
         if self.optimizer is None:

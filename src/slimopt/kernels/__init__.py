@@ -40,32 +40,26 @@ from slimopt.kernels.arguments import Deferred, Moment, scalars
 from slimopt.kernels.compiled import compile_settings, compiled, mark_dynamic
 from slimopt.kernels.policy import (
     FUSED_CHOICES,
-    auto_available,
-    auto_failure,
+    AutoFusing,
     compile_failure,
     compile_failures,
     compiler_error,
-    give_up_auto,
-    resume_auto,
     triton_installed,
 )
 
 __all__ = [
     "FUSED_CHOICES",
     "TRITON_DEVICE_TYPES",
+    "AutoFusing",
     "Moment",
     "Storage",
     "adafactor_step",
     "adamw_step",
     "adamw_steps",
-    "auto_available",
-    "auto_failure",
     "compile_failures",
     "compile_settings",
     "compiler_error",
-    "give_up_auto",
     "hyperparameters",
-    "resume_auto",
     "scalars",
     "triton_step_of",
 ]

@@ -1,6 +1,6 @@
 """When the fused step is taken: what ``fused=`` accepts, whether auto mode fuses on a device
-(CUDA with Triton, until a fused step fails to compile in this process), and why
-``torch.compile`` cannot build a step here."""
+(``AutoFusing``: CUDA with Triton, until a fused step of the optimizer fails to compile), and
+why ``torch.compile`` cannot build a step here."""
 
 from __future__ import annotations
 
@@ -13,9 +13,6 @@ import torch
 
 # What ``fused=`` accepts: None chooses the fused path where it exists and runs on CUDA.
 FUSED_CHOICES = (None, True, False)
-
-# Why auto mode gave up the fused step in this process (a compile failure); empty while it has not.
-_auto_failure: list[str] = []
 
 
 def compile_failure() -> type[Exception]:
@@ -37,26 +34,22 @@ def compile_failures() -> tuple[type[Exception], ...]:
     return failures
 
 
-def auto_available(device_type: str) -> bool:
-    """Whether ``fused=None`` takes the fused step on ``device_type``: on CUDA, with Triton, as
-    long as no fused step has failed to compile in this process."""
-    return device_type == "cuda" and not _auto_failure and compiler_error(device_type) is None
+class AutoFusing:
+    """Whether auto mode (``fused=None``) takes the fused step: on the ``devices`` (CUDA) where
+    ``torch.compile`` can build it, until a fused step fails to compile (``give_up``). Each
+    optimizer's engine owns one; a failure is that optimizer's to remember."""
 
+    def __init__(self, devices: tuple[str, ...] = ("cuda",)) -> None:
+        self.devices = devices
+        self.failure: str | None = None  # why a fused step did not compile, or None
 
-def auto_failure() -> str | None:
-    """Why auto mode gave up the fused step in this process, or None."""
-    return _auto_failure[0] if _auto_failure else None
+    def available(self, device_type: str) -> bool:
+        """Whether auto mode takes the fused step on ``device_type`` now."""
+        return device_type in self.devices and self.failure is None and compiler_error(device_type) is None
 
-
-def give_up_auto(reason: str) -> None:
-    """Stop taking the fused step in auto mode for the rest of the process (after ``reason``)."""
-    _auto_failure.append(reason)
-
-
-def resume_auto() -> None:
-    """Take the fused step in auto mode again after ``give_up_auto`` (a process that fixed its
-    compiler; tests that give it up on purpose)."""
-    _auto_failure.clear()
+    def give_up(self, reason: str) -> None:
+        """Take the reference path in auto mode from now on, after ``reason`` (the first one is kept)."""
+        self.failure = self.failure or reason
 
 
 def compiler_error(device_type: str) -> str | None:
