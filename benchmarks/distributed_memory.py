@@ -57,13 +57,13 @@ def _worker(
 def _measured(rank: int, world: int, strategy: str, name: str, options: dict, args, out: str) -> None:
     """Two steps of this process, its peak and state bytes saved to ``out``."""
     from slimopt.memory import state_nbytes
-    from slimopt.planner import build_model
+    from slimopt.models import build_model
     from slimopt.train.loop import track_memory
     from slimopt.train.parallel import Parallel
 
     torch.manual_seed(0)
     parallel = Parallel(strategy, rank, world, rank)
-    model = build_model(_setting(args), torch.device("cpu"))
+    model = build_model(args.model, args.vocab, args.seq, weights="fp32")
     wrapped = parallel.wrap(model)
     optimizer = parallel.optimizer(model, name, 1e-3, options)
     peak = 0

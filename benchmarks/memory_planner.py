@@ -26,7 +26,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from slimopt import build_optimizer, layerwise, state_nbytes
-from slimopt.planner import build_model, measure_memory, plan_memory
+from slimopt.models import build_model
+from slimopt.planner import measure_memory, plan_memory
 
 GIB = 2**30
 T = TypeVar("T")
@@ -121,7 +122,8 @@ def timed_steps(setting: dict[str, Any], device: torch.device, steps: int) -> di
     """Seconds of the first step, of the projection refreshes inside it, and of a steady step
     (mean of the others) of a plain layer-wise loop; and the state bytes after them."""
     options = {k: v for k, v in setting.items() if k in ("rank", "basis_states", "update_proj_gap")}
-    model = build_model({"dtype": "bf16", "checkpointing": False, **setting}, device)
+    with torch.device(device):
+        model = build_model(setting["model"], setting["vocab_size"], setting["seq_len"], weights="bf16")
     optimizer = build_optimizer(model, setting["optimizer"], lr=5e-3, **options)
     refresh_seconds: list[float] = []
     optimizer.engine.watch("refresh", _timer(refresh_seconds, device))
@@ -147,7 +149,7 @@ def timed_steps(setting: dict[str, Any], device: torch.device, steps: int) -> di
 
 
 def _timer(seconds: list[float], device: torch.device) -> Callable[[], Any]:
-    """A probe for ``GaLoreOptimizer.watch`` that appends each call's seconds to ``seconds``."""
+    """A probe for ``SlimoptOptimizer.watch`` that appends each call's seconds to ``seconds``."""
 
     @contextmanager
     def timed() -> Iterator[None]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slimopt.cli import main
-from slimopt.planner import build_model, plan_memory
+from slimopt.planner import PlanSetting, plan_memory
 
 SETTING = {"model": "llama_9m", "batch_size": 2, "seq_len": 64, "dtype": "fp32", "vocab_size": 1024}
 GALORE = {"rank": 32, "proj_type": "right"}
@@ -21,7 +21,7 @@ def _plan(name: str, processes: int = 1, distributed: str | None = None, **optio
 
 def test_ddp_adds_its_buckets_and_fsdp2_keeps_process_0s_rows() -> None:
     one = _plan("adamw")
-    model = build_model({**SETTING, "checkpointing": False}, torch.device("meta"))
+    model = PlanSetting(optimizer="adamw", **SETTING).build_model(torch.device("meta"))
     gradients = sum(p.numel() * p.element_size() for p in model.parameters())
     ddp = _plan("adamw", 4, "ddp").per_process
     assert ddp["communication"] == gradients  # the buckets: one copy of every gradient

@@ -1,0 +1,91 @@
+"""The memory planner: will a training step fit on this card, and where do the bytes go?
+
+``plan_memory`` builds the model and the optimizer on the meta device (shapes and dtypes, no
+memory, no arithmetic) and runs two real optimizer steps of them — forward, backward, then the
+optimizer step or the layer-wise hooks — under ``slimopt.memory.LiveBytes``. Every tensor the
+real run creates is created here too, by the same code: weights, gradients, optimizer states,
+projection bases, accumulation buffers and the optimizer's temporaries are therefore exact.
+Activations are exact for the code that runs on the meta device; the one known difference from
+a GPU is attention, where the planner runs the flash-attention path that PyTorch takes on CPU and
+CUDA. ``measure_memory`` runs the same two steps for real on the CPU or a GPU (where it also
+reads ``torch.cuda.max_memory_allocated``), which is how the planner is checked.
+
+Two steps, because the first one differs: it creates the optimizer states and computes every
+projection basis; the second is a steady step (with ``stagger``, a few matrices refresh in it).
+The peak is the larger of the two.
+
+The package: ``setting`` (``PlanSetting``: what is planned, checked before anything is built),
+``run`` (the two steps and their terms) and ``report`` (``MemoryPlan``, its breakdown, JSON).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from slimopt.planner.report import CUDA_OVERHEAD_BYTES, TERMS, MemoryPlan, plan_as_json
+from slimopt.planner.run import STEPS, run
+from slimopt.planner.setting import PlanSetting
+
+__all__ = [
+    "CUDA_OVERHEAD_BYTES",
+    "STEPS",
+    "TERMS",
+    "MemoryPlan",
+    "PlanSetting",
+    "measure_memory",
+    "plan_as_json",
+    "plan_memory",
+]
+
+
+def plan_memory(
+    model: str,
+    optimizer: str,
+    *,
+    rank: int | None = None,
+    layerwise: bool = False,
+    refresh_from: str = "step",
+    batch_size: int = 1,
+    seq_len: int = 256,
+    accumulation_steps: int = 1,
+    checkpointing: bool = False,
+    dtype: str = "bf16",
+    vocab_size: int = 32000,
+    gpu_memory_gib: float | None = None,
+    processes: int = 1,
+    distributed: str | None = None,
+    device: str = "meta",
+    progress: bool = False,
+    **optimizer_options: Any,
+) -> MemoryPlan:
+    """Predict the memory of training ``model`` with ``optimizer`` (a registry name).
+
+    ``model`` is a LLaMA preset (``slimopt.models.LLAMA_PRESETS``) or a Hugging Face config
+    file or directory; ``dtype`` is how the weights are stored (``slimopt.weight_formats``:
+    "fp32", "bf16", "bf16+8" — bf16 and an 8-bit correction, which the optimizer keeps in its
+    state and the plan counts there — or
+    "int8" linear weights with the rest bf16); ``batch_size`` sequences
+    of ``seq_len`` tokens per micro-batch, ``accumulation_steps`` micro-batches per step;
+    ``refresh_from`` is ``slimopt.layerwise``'s option of that name. With ``distributed``
+    ("ddp", "zero1" or "fsdp2") the plan also holds, in ``per_process``, the step of the busiest
+    of ``processes`` processes (``slimopt.process_memory``), and ``fits`` judges that one.
+    ``optimizer_options`` go to ``build_optimizer`` (``states``, ``update_proj_gap``, …). On a
+    real ``device`` the steps run for real and the plan is a measurement (see ``measure_memory``).
+    ``progress`` shows a bar of the micro-batches on stderr (a 7B plan takes seconds:
+    docs/results/memory.md).
+    Raises ``ValueError`` naming a bad model, optimizer, size, dtype or rank.
+    """
+    fields = {k: v for k, v in locals().items() if k not in ("device", "progress", "optimizer_options")}
+    setting = PlanSetting.checked(**fields, options=optimizer_options)
+    return run(setting, torch.device(device), progress)
+
+
+def measure_memory(model: str, optimizer: str, *, device: str = "cpu", **settings: Any) -> MemoryPlan:
+    """Run the planner's two steps for real on ``device`` and report what they used.
+
+    Same arguments as :func:`plan_memory`. On CUDA ``cuda_max_memory_allocated`` holds the
+    allocator's own peak over the same steps.
+    """
+    return plan_memory(model, optimizer, device=device, **settings)
