@@ -333,7 +333,7 @@ def test_the_default_out_is_new_for_every_run(workspace: Path, tmp_path: Path, c
         (["--eval-every", "-2"], "--eval-every must be a positive integer, got -2"),
         (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
         (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
-        # Optimizer flags are read as Hugging Face's optim_args are (registry.parse_option).
+        # Optimizer flags are read as Hugging Face's optim_args are (options.parse_option).
         (["--rank", "four"], "argument --rank: rank='four': expected int"),
         (["--scale", "big"], "argument --scale: scale='big': expected float"),
         # Non-finite values, and finite ones float32 cannot hold, are refused before training.

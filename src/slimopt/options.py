@@ -171,6 +171,25 @@ STORAGE_KEYS = tuple(o.name for o in OPTIONS if o.on_load == "storage")
 OWN_KEYS = tuple(o.name for o in OPTIONS if o.on_load == "own")
 
 
+def parse_option(key: str, text: str, kind: type | None = None) -> Any:
+    """The value of optimizer option ``key`` written as ``text``, read as ``kind`` (None: its
+    type in ``OPTION_TYPES``): the one reading of option text, for the command line's flags and
+    Hugging Face's ``optim_args``. Booleans are true/false/1/0; ``NONE_OPTIONS`` may be none.
+    Raises ``ValueError`` naming the key, the text and the type expected."""
+    kind = OPTION_TYPES[key] if kind is None else kind
+    if key in NONE_OPTIONS and text.lower() == "none":
+        return None
+    if kind is bool:
+        lowered = text.lower()
+        if lowered not in ("true", "false", "1", "0"):
+            raise ValueError(f"{key}={text!r}: expected true or false")
+        return lowered in ("true", "1")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{key}={text!r}: expected {kind.__name__}") from None
+
+
 def is_projected(param: Tensor, group: dict[str, Any]) -> bool:
     """Whether ``param`` is projected: a non-empty tensor of two or more dimensions in a group
     with ``rank``."""

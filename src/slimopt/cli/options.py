@@ -1,5 +1,5 @@
 """The flags several ``slimopt`` commands share: the optimizer's options and the weights' dtype,
-each read as ``slimopt.registry.parse_option`` reads Hugging Face's ``optim_args``."""
+each read as ``slimopt.options.parse_option`` reads Hugging Face's ``optim_args``."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from slimopt.options import BY_NAME, OPTION_TYPES
-from slimopt.registry import parse_option
+from slimopt.options import BY_NAME, OPTION_TYPES, parse_option
 from slimopt.weight_formats import weight_dtype
 
 # Flags that configure the optimizer rather than the run, with their types: every option of the

@@ -32,7 +32,7 @@ from torch import nn
 
 from slimopt.layerwise import LayerwiseHandle, check_refresh_from, layerwise
 from slimopt.optimizers import TERNARY_BETAS, AdamWTernary, GaLoreAdafactor, SlimoptOptimizer
-from slimopt.options import OPTION_TYPES
+from slimopt.options import OPTION_TYPES, parse_option
 from slimopt.registry import (
     HF_NAMES,
     OPTIMIZERS,
@@ -40,7 +40,6 @@ from slimopt.registry import (
     available_optimizers,
     build_optimizer,
     hugging_face_defaults,
-    parse_option,
     resolve_name,
 )
 from slimopt.weight_formats.int8 import INT8_ONE_PROCESS, Int8Weight

@@ -1,195 +1,25 @@
-"""Optimizer names and ``build_optimizer``: from a model to configured param groups.
-
-A name is a configuration of the composable pieces (update rule × projection × state storage),
-not a class of its own; the modules
-whose weights are projected are chosen with Hugging Face's ``optim_target_modules`` semantics.
-"""
+"""``build_optimizer``: from a model and an optimizer name to configured param groups, the
+modules whose weights are projected chosen with Hugging Face's ``optim_target_modules``
+semantics (``slimopt.targets``)."""
 
 from __future__ import annotations
 
-import warnings
-from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
 
 from slimopt.checks import number_error
-from slimopt.codecs.slicing import matrix_shape
-from slimopt.optimizers import (
-    TACO,
-    AdamW4bit,
-    AdamWTernary,
-    APOLLOAdamW,
-    GaLoreAdafactor,
-    GaLoreAdamW,
-    GaLoreAdamW8bit,
-    SlimoptOptimizer,
-)
-from slimopt.options import NONE_OPTIONS, OPTION_TYPES, PROJECTION_DEFAULTS
+from slimopt.optimizers import TACO, SlimoptOptimizer
+from slimopt.options import PROJECTION_DEFAULTS
+from slimopt.registry.names import HF_NAMES, OPTIMIZERS, hugging_face_defaults, resolve_name
+from slimopt.registry.ranks import default_rank, warn_if_projection_saves_nothing
 from slimopt.sharding import split_by_rows
-from slimopt.targets import (
-    target_weight_ids,
-    warn_unknown_layouts,
-)
+from slimopt.targets import target_weight_ids, warn_unknown_layouts
 from slimopt.weight_formats import lost_int8_weights
 from slimopt.weight_formats.int8 import INT8_ONE_PROCESS
 
-
-def parse_option(key: str, text: str, kind: type | None = None) -> Any:
-    """The value of optimizer option ``key`` written as ``text``, read as ``kind`` (None: its
-    type in ``OPTION_TYPES``): the one reading of option text, for the command line's flags and
-    Hugging Face's ``optim_args``. Booleans are true/false/1/0; ``NONE_OPTIONS`` may be none.
-    Raises ``ValueError`` naming the key, the text and the type expected."""
-    kind = OPTION_TYPES[key] if kind is None else kind
-    if key in NONE_OPTIONS and text.lower() == "none":
-        return None
-    if kind is bool:
-        lowered = text.lower()
-        if lowered not in ("true", "false", "1", "0"):
-            raise ValueError(f"{key}={text!r}: expected true or false")
-        return lowered in ("true", "1")
-    try:
-        return kind(text)
-    except ValueError:
-        raise ValueError(f"{key}={text!r}: expected {kind.__name__}") from None
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """An optimizer class, whether its selected matrices are projected, and the name's own rank
-    and projection options where the class has no such default (APOLLO-Mini's)."""
-
-    cls: type[SlimoptOptimizer]
-    projected: bool
-    rank: int | None = None
-    options: tuple[tuple[str, Any], ...] = ()
-
-
-OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "adamw": OptimizerSpec(GaLoreAdamW, projected=False),
-    "galore_adamw": OptimizerSpec(GaLoreAdamW, projected=True),
-    "galore_adafactor": OptimizerSpec(GaLoreAdafactor, projected=True),
-    "adafactor": OptimizerSpec(GaLoreAdafactor, projected=False),
-    "adamw8bit": OptimizerSpec(GaLoreAdamW8bit, projected=False),
-    "adamw4bit": OptimizerSpec(AdamW4bit, projected=False),
-    "adamw_ternary": OptimizerSpec(AdamWTernary, projected=False),
-    "galore_adamw8bit": OptimizerSpec(GaLoreAdamW8bit, projected=True),
-    "galore_adamw4bit": OptimizerSpec(AdamW4bit, projected=True),
-    "galore_adamw_ternary": OptimizerSpec(AdamWTernary, projected=True),
-    "apollo_adamw": OptimizerSpec(APOLLOAdamW, projected=True),
-    "apollo_mini": OptimizerSpec(
-        APOLLOAdamW, projected=True, rank=1, options=(("scale_type", "tensor"), ("scale", 128.0))
-    ),
-    "taco": OptimizerSpec(TACO, projected=False),
-}
 # TACO's fallback for what is not a linear layer's matrix (embeddings, the output head, vectors).
 TACO_FALLBACK = {"rule": "adamw", "states": "int8"}
-
-
-# Hugging Face's ``TrainingArguments.optim`` names for the same configurations, accepted
-# wherever a name is (``adamw_torch_8bit`` is torchao's block-wise 8-bit AdamW, the same scheme).
-HF_NAMES: dict[str, str] = {
-    "adamw_torch": "adamw",
-    "adamw_torch_fused": "adamw",
-    "adamw_8bit": "adamw8bit",
-    "adamw_bnb_8bit": "adamw8bit",
-    "adamw_torch_8bit": "adamw8bit",
-    "adamw_torch_4bit": "adamw4bit",
-    "adafactor": "adafactor",
-    "galore_adamw": "galore_adamw",
-    "galore_adamw_8bit": "galore_adamw8bit",
-    "galore_adafactor": "galore_adafactor",
-    "apollo_adamw": "apollo_adamw",
-}
-
-
-# Hugging Face's defaults for the projection of its names (``Trainer``'s GaLore and APOLLO
-# setups), where they differ from slimopt's: a rank of 128 rather than a quarter of the
-# matrices' smaller side, and APOLLO's projection.
-HF_GALORE_DEFAULTS: dict[str, Any] = {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
-HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "galore_adamw": HF_GALORE_DEFAULTS,
-    "galore_adamw_8bit": HF_GALORE_DEFAULTS,
-    "galore_adafactor": HF_GALORE_DEFAULTS,
-    "apollo_adamw": {
-        **HF_GALORE_DEFAULTS,
-        "scale": 1.0,
-        "proj_method": "random",
-        "scale_type": "channel",
-    },
-}
-
-
-def hugging_face_defaults(name: str) -> dict[str, Any]:
-    """Hugging Face's defaults for the projection options of its optimizer name ``name``
-    (``rank``, ``update_proj_gap``, ``scale``, ``proj_type``; APOLLO's ``proj`` and
-    ``scale_type``), as ``Trainer`` passes them; none for a name that does not project."""
-    return dict(HF_DEFAULTS.get(name, {}))
-
-
-def available_optimizers() -> list[str]:
-    """Return slimopt's names for the optimizers ``build_optimizer`` accepts (it also takes the
-    Hugging Face names of ``HF_NAMES``)."""
-    return list(OPTIMIZERS)
-
-
-def rank_origin(name: str, given: bool) -> str | None:
-    """Where the rank of optimizer ``name`` (slimopt's name) came from when the user gave none
-    (``given`` False): the name's own (APOLLO-Mini's 1), or ``default_rank``'s; None when given."""
-    if given:
-        return None
-    if OPTIMIZERS[name].rank is not None:
-        return f"{name}'s own"
-    return "the default: a quarter of the matrices' smaller side"
-
-
-def resolve_name(name: str) -> str:
-    """slimopt's name for ``name`` (its own, or a Hugging Face ``optim`` name of ``HF_NAMES``).
-
-    Raises ``ValueError`` naming the valid names.
-    """
-    if name in OPTIMIZERS:
-        return name
-    if name in HF_NAMES:
-        return HF_NAMES[name]
-    raise ValueError(
-        f"unknown optimizer {name!r}; available: {', '.join(available_optimizers())} "
-        f"(or Hugging Face's {', '.join(n for n in HF_NAMES if n not in OPTIMIZERS)})"
-    )
-
-
-def default_rank(matrices: list[Tensor]) -> int:
-    """The GaLore paper's rank, r = n/4: a quarter of the smaller dimension most of ``matrices``
-    share (a transformer's hidden size: 1024 for LLaMA-7B, 512 for LLaMA-1B)."""
-    sides = Counter(min(matrix_shape(matrix.shape)) for matrix in matrices)
-    return max(1, sides.most_common(1)[0][0] // 4)
-
-
-def warn_if_projection_saves_nothing(matrices: list[Tensor], rank: int, stored_basis: bool = True) -> None:
-    """A ``UserWarning`` when moments in a rank-``rank`` space plus the bases (``stored_basis``:
-    not APOLLO's random projections, which are drawn again) take as many numbers as the moments
-    of the whole matrices (2·m·n): projection would only cost."""
-    full = projected = 0
-    breakeven = None
-    for matrix in matrices:
-        long, short = sorted(matrix_shape(matrix.shape), reverse=True)
-        if short == 0:
-            continue
-        r = min(rank, short)
-        basis = short if stored_basis else 0
-        full += 2 * long * short
-        projected += 2 * long * r + r * basis  # moments in the projected space, then the basis
-        limit = (2 * long * short) // (2 * long + basis)
-        breakeven = limit if breakeven is None else min(breakeven, limit)
-    if full and projected >= full:
-        warnings.warn(
-            f"rank {rank} saves no optimizer state: projected moments and bases hold {projected:,} "
-            f"numbers, the unprojected moments {full:,}; choose a rank of at most {breakeven}",
-            UserWarning,
-            stacklevel=3,
-        )
-
 
 FLIPPED_SIDES = {"left": "right", "right": "left"}
 # The projection side of weights split by rows (FSDP2) when the user names none: the r×n basis
