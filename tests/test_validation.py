@@ -183,3 +183,17 @@ def test_every_option_of_the_table_is_a_flag_and_an_optim_arg_of_its_type() -> N
         assert parse_optim_args(f"{option.name}={text}") == {option.name: option.default}
     with pytest.raises(SystemExit):
         parser.parse_args(["--block-size", "eight"])
+
+
+@pytest.mark.parametrize("name", available_optimizers())
+def test_each_optimizer_documents_every_option_with_its_own_default(name) -> None:
+    """An optimizer class's docstring lists every option of the table with the default a group
+    of that class really gets (APOLLO's random projection, AdamW8bit's int8 states)."""
+    from slimopt.options import OPTIONS
+    from slimopt.registry import OPTIMIZERS
+
+    cls = OPTIMIZERS[name].cls
+    group = cls([torch.zeros(4, 4, requires_grad=True)]).param_groups[0]
+    for option in OPTIONS:
+        shown = "none" if group[option.name] is None else repr(group[option.name])
+        assert f"- ``{option.name}`` ({option.type.__name__}, default {shown}): {option.help}" in cls.__doc__

@@ -34,15 +34,7 @@ __all__ = [
 class GaLoreAdamW(SlimoptOptimizer):
     """AdamW whose param groups with a ``rank`` key run in a GaLore low-rank subspace.
 
-    Groups without ``rank`` reproduce ``torch.optim.AdamW``. Projection options (per group, or
-    as keyword defaults here): ``rank``, ``update_proj_gap`` (200), ``scale`` (0.25),
-    ``proj_type`` ({"std", "reverse_std", "left", "right", "full"}, "std"), ``proj_method``
-    ({"subspace", "svd"}, "subspace"), ``on_subspace_change`` ({"keep", "reset", "rotate"},
-    "rotate"), ``stagger`` (True: spread refreshes over the gap) and ``basis_states`` ({"fp32",
-    "bf16", "int8"}, "fp32": how the basis is stored). Storage options (per group too):
-    ``states`` ({"fp32", "bf16", "int8", "int4", "ternary"}, or one per moment as
-    ``"first/second"``, e.g. ``"ternary/fp32"``) and ``block_size`` (a power of two; None for the
-    format's default).
+    Groups without ``rank`` reproduce ``torch.optim.AdamW``.
     """
 
     rule = AdamWRule()
@@ -69,8 +61,8 @@ class APOLLOAdamW(GaLoreAdamW):
     Fira's norm-growth limiter (``norm_growth_limit=1.01``; None: off). As in apollo-torch the
     projection is redrawn every ``update_proj_gap`` steps with the moments kept, and the update is
     multiplied by √``scale``. The projection is drawn from its seed whenever it is used, never
-    stored. Groups without ``rank`` are plain AdamW; every option of :class:`GaLoreAdamW` applies
-    (``proj_method="svd"`` is apollo-torch's ``proj="svd"``).
+    stored. Groups without ``rank`` are plain AdamW (``proj_method="svd"`` is apollo-torch's
+    ``proj="svd"``).
     """
 
     projection_defaults: ClassVar[dict[str, Any]] = {
@@ -89,7 +81,6 @@ class GaLoreAdafactor(SlimoptOptimizer):
 
     ``lr=None`` uses Adafactor's relative step size. Projected matrices keep a whole second
     moment in the r×n space; unprojected matrices keep factored row/column statistics.
-    Projection and storage options as for :class:`GaLoreAdamW`.
     """
 
     rule = AdafactorRule()

@@ -71,7 +71,7 @@ OPTIONS: tuple[Option, ...] = (
         str,
         "projection",
         "APOLLO: scale the raw gradient by the projected direction, per channel or tensor "
-        "(default none: project the direction back, as GaLore does)",
+        "(none: project the direction back, as GaLore does)",
         accepts_none=True,
     ),
     Option(
@@ -79,8 +79,7 @@ OPTIONS: tuple[Option, ...] = (
         None,
         float,
         "projection",
-        "APOLLO: largest growth of the scaled update's norm from one step to the next "
-        "(default none: no limit)",
+        "APOLLO: largest growth of the scaled update's norm from one step to the next (none: no limit)",
         accepts_none=True,
     ),
     Option(
@@ -95,7 +94,7 @@ OPTIONS: tuple[Option, ...] = (
         True,
         bool,
         "projection",
-        "spread the matrices' refreshes over the gap (--no-stagger: all at once)",
+        "spread the matrices' refreshes over the gap (false: all at once)",
     ),
     Option(
         "basis_states",
@@ -131,7 +130,7 @@ OPTIONS: tuple[Option, ...] = (
         None,
         int,
         "storage",
-        "quantization block size (default none: the format's own)",
+        "quantization block size (none: the format's own)",
         accepts_none=True,
         layout=True,
         on_load="storage",
@@ -150,8 +149,8 @@ OPTIONS: tuple[Option, ...] = (
         None,
         bool,
         "storage",
-        "the fused step (slimopt.kernels, compiled at the first step; --no-fused: the reference "
-        "path; default: fused on CUDA only)",
+        "the fused step (slimopt.kernels, compiled at the first step; false: the reference path; "
+        "none: fused on CUDA only)",
         accepts_none=True,
         layout=True,
         on_load="own",
@@ -169,6 +168,24 @@ LAYOUT_OPTIONS = ("rule", "rank", *(o.name for o in OPTIONS if o.layout))
 # What a loaded state dict does not bring (``Option.on_load``).
 STORAGE_KEYS = tuple(o.name for o in OPTIONS if o.on_load == "storage")
 OWN_KEYS = tuple(o.name for o in OPTIONS if o.on_load == "own")
+
+
+def options_section(defaults: dict[str, Any]) -> str:
+    """The options part of an optimizer class's docstring, from the table: each option's name,
+    type, default (``defaults``: the class's own) and meaning."""
+
+    def shown(option: Option) -> str:
+        value = defaults[option.name]
+        return "none" if value is None else repr(value)
+
+    lines = [
+        "Options, per param group or as keyword defaults of the constructor (the same names are",
+        "``slimopt train`` flags): ``rank`` (int) makes a group projected, its parameters with two or",
+        "more dimensions in a rank-``rank`` subspace; without it the group is the plain rule.",
+        "",
+    ]
+    lines += [f"- ``{o.name}`` ({o.type.__name__}, default {shown(o)}): {o.help}" for o in OPTIONS]
+    return "\n".join(lines)
 
 
 def parse_option(key: str, text: str, kind: type | None = None) -> Any:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from slimopt.options import BY_NAME, OPTION_TYPES, parse_option
+from slimopt.registry import OPTIMIZERS
 from slimopt.weight_formats import weight_dtype
 
 # Flags that configure the optimizer rather than the run, with their types: every option of the
@@ -35,13 +36,19 @@ def _option_help(name: str) -> str:
     if name == "weight_decay":
         return "decoupled weight decay (default 0.01)"
     option = BY_NAME[name]
-    if name == "states":
+    if name in _OWN_DEFAULTS:
         return f"{option.help} (default: the optimizer's own)"
-    # An option that defaults to None says in its help what none means.
-    if option.default is None:
-        return option.help
-    default = ("on" if option.default else "off") if isinstance(option.default, bool) else option.default
-    return f"{option.help} (default {default})"
+    default = option.default
+    if isinstance(default, bool):
+        default = "on" if default else "off"
+    return f"{option.help} (default {'none' if default is None else default})"
+
+
+# The options some optimizer defaults otherwise than the table (APOLLO's projection, the storage
+# each class is named for).
+_OWN_DEFAULTS = {"states"} | {
+    key for spec in OPTIMIZERS.values() for key in (*spec.cls.projection_defaults, *dict(spec.options))
+}
 
 
 def add_optimizer_flags(parser: argparse.ArgumentParser) -> None:

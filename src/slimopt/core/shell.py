@@ -22,7 +22,13 @@ from slimopt.core import loading
 from slimopt.core.engine import Engine
 from slimopt.core.hyperparameters import constructor_defaults, fill_rule_defaults
 from slimopt.core.plan import path_of
-from slimopt.options import PROJECTION_DEFAULTS, STORAGE_DEFAULTS, group_errors, sharding_errors
+from slimopt.options import (
+    PROJECTION_DEFAULTS,
+    STORAGE_DEFAULTS,
+    group_errors,
+    options_section,
+    sharding_errors,
+)
 from slimopt.rules import RULES, UpdateRule
 
 
@@ -54,9 +60,20 @@ class SlimoptOptimizer(Optimizer):
             options.get("rule"), self.rule, defaults, self.__dict__.pop("_given", None)
         )
         self._start_engine()
-        storage = {**STORAGE_DEFAULTS, "states": self.default_states}
-        projection = {**PROJECTION_DEFAULTS, **self.projection_defaults}
-        super().__init__(params, {**defaults, "rule": None, **projection, **storage, **options})
+        super().__init__(params, {**defaults, "rule": None, **self.option_defaults(), **options})
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A documented subclass's docstring ends with its options, from the one table
+        (``slimopt.options.OPTIONS``), with the subclass's own defaults."""
+        super().__init_subclass__(**kwargs)
+        if cls.__doc__:
+            cls.__doc__ = cls.__doc__.rstrip() + "\n\n" + options_section(cls.option_defaults())
+
+    @classmethod
+    def option_defaults(cls) -> dict[str, Any]:
+        """The defaults of every projection and storage option for this optimizer's groups."""
+        storage = {**STORAGE_DEFAULTS, "states": cls.default_states}
+        return {**PROJECTION_DEFAULTS, **cls.projection_defaults, **storage}
 
     def _start_engine(self) -> None:
         """The engine, and the layer-wise handle (None: stepping normally); a copy
