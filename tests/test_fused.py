@@ -14,6 +14,7 @@ import slimopt
 from slimopt import kernels
 from slimopt.codecs import moment_codec
 from slimopt.codecs.draws import stream_seed
+from slimopt.core.fused import fused_moment
 from slimopt.rules import AdamWRule
 
 from .conftest import tiny_llama
@@ -144,12 +145,12 @@ def test_codes_are_the_reference_encoding(states, numel, fused_backend) -> None:
         codec.encode(decoded[key]) for key, codec in zip(("exp_avg", "exp_avg_sq"), codecs, strict=True)
     ]
     ours = [{part: tensor.clone() for part, tensor in parts.items()} for parts in stored]
-    storages = tuple(codec.storage for codec in codecs)
-    tables = tuple(codec.tables(torch.device("cpu")) for codec in codecs)
-    hyper = kernels.hyperparameters(1e-3, (0.9, 0.999), 1e-8, 0.0, 7, 1.0, "cpu")
-    fused_direction = kernels.adamw_step(grad.view(1, -1), tuple(ours), storages, tables, hyper, None).view(
-        -1
-    )
+    cpu = torch.device("cpu")
+    fused_moments = {
+        key: fused_moment(codec, parts, cpu) for key, codec, parts in zip(decoded, codecs, ours, strict=True)
+    }
+    hyper = kernels.adamw.hyperparameters(1e-3, (0.9, 0.999), 1e-8, 0.0, 7, 1.0, "cpu")
+    fused_direction = kernels.adamw_step(grad.view(1, -1), fused_moments, hyper, None).view(-1)
     # fp32 round-off: one rounding of a multiply-add here and there, relative to the whole (an
     # element near zero after the moment's cancellation differs more in its own terms).
     assert relative_error(fused_direction, direction) < 1e-6
@@ -265,7 +266,7 @@ def test_fused_true_without_a_fused_step_is_refused(build, message) -> None:
 
 
 def test_hyperparameters_are_rounded_once_from_double() -> None:
-    hyper = kernels.hyperparameters(1e-3, (0.9, 0.999), 1e-8, 0.1, 3, 0.25, "cpu")
+    hyper = kernels.adamw.hyperparameters(1e-3, (0.9, 0.999), 1e-8, 0.1, 3, 0.25, "cpu")
     expected = [0.1, 0.999, 0.001, 1e-8, 1 - 0.9**3, math.sqrt(1 - 0.999**3), 1 - 1e-4, -2.5e-4]
     assert hyper.tolist() == torch.tensor(expected, dtype=torch.float32).tolist()
 
@@ -363,12 +364,12 @@ def test_stochastic_formats_draw_what_the_reference_draws(states, shape, fused_b
     storages = tuple(codec.storage for codec in codecs)
     rounding = torch.Generator().manual_seed(11)
     seeds = tuple(stream_seed(rounding, torch.device("cpu")) for storage in storages if storage.stochastic)
-    hyper = kernels.hyperparameters(1e-3, (0.9, 0.999), 1e-8, 0.0, 7, 1.0, "cpu")
-    tables = tuple(
-        codec.tables(torch.device("cpu")) if s.kind == "blockwise" else ()
-        for codec, s in zip(codecs, storages, strict=True)
-    )
-    fused_direction = kernels.adamw_step(grad, tuple(ours), storages, tables, hyper, None, seeds)
+    hyper = kernels.adamw.hyperparameters(1e-3, (0.9, 0.999), 1e-8, 0.0, 7, 1.0, "cpu")
+    cpu = torch.device("cpu")
+    fused_moments = {
+        key: fused_moment(codec, parts, cpu) for key, codec, parts in zip(keys, codecs, ours, strict=True)
+    }
+    fused_direction = kernels.adamw_step(grad, fused_moments, hyper, None, seeds)
     assert relative_error(fused_direction, direction) < 1e-6
     for mine, theirs in zip(ours, expected, strict=True):
         assert mine.keys() == theirs.keys()

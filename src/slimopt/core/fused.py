@@ -21,7 +21,7 @@ from slimopt.core.record import NotCompiled, Outcome, Update, begin
 from slimopt.core.state import STEP
 from slimopt.core.tensors import as_matrix, matrix_of, values
 from slimopt.core.weights import update_weights_projected, weight_step
-from slimopt.kernels import adafactor
+from slimopt.kernels import adafactor, adamw
 from slimopt.kernels.adafactor import AdafactorScalars
 from slimopt.rules import AdamWRule
 
@@ -88,8 +88,7 @@ def fused_step(
                 grad, moments, factored, hyper, scale_parameter, weights, seeds, update.keep
             )
         hyper = adamw_hyperparameters(update, weights, grad.device)
-        parts, storages, tables = zip(*moments.values(), strict=True)
-        return kernels.adamw_step(grad, parts, storages, tables, hyper, weights, seeds, update.keep)
+        return kernels.adamw_step(grad, moments, hyper, weights, seeds, update.keep)
     except kernels.compile_failures() as error:
         if plan.group["fused"] is True:
             raise
@@ -98,13 +97,13 @@ def fused_step(
 
 
 def adamw_hyperparameters(update: Update, weights: Tensor | None, device: torch.device) -> Tensor:
-    """``kernels.hyperparameters`` of the update: the step size of the unit's step, moments of
+    """``kernels.adamw.hyperparameters`` of the update: the step size of the unit's step, moments of
     the update's age; without ``weights`` (a projected matrix's direction), scaled by the
     group's ``scale``."""
     rule, group = update.plan.rule, update.plan.group
     lr = rule.step_size(group, weights, update.state[STEP])
     scale = 1.0 if weights is not None else group["scale"]
-    return kernels.hyperparameters(
+    return adamw.hyperparameters(
         lr, group["betas"], group["eps"], group["weight_decay"], update.age, scale, device
     )
 

@@ -30,12 +30,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from slimopt.codecs import storage as formats
-from slimopt.codecs.base import Storage, store
-from slimopt.codecs.plain import round_to_bf16
+from slimopt.codecs.base import Storage
+from slimopt.kernels import adamw
 from slimopt.kernels.arguments import Deferred, Moment, scalars
 from slimopt.kernels.compiled import compile_settings, compiled, mark_dynamic
 from slimopt.kernels.policy import (
@@ -59,7 +58,6 @@ __all__ = [
     "compile_failures",
     "compile_settings",
     "compiler_error",
-    "hyperparameters",
     "scalars",
     "triton_step_of",
 ]
@@ -77,59 +75,53 @@ def __getattr__(name: str) -> Any:
 TRITON_DEVICE_TYPES = ("cuda",)
 
 
-# Both moments' stored parts by name, their storages, and their lookup tables (empty but for blocks).
-Moments = tuple[dict[str, Tensor], dict[str, Tensor]]
-Storages = tuple[Storage, Storage]
-Tables = tuple[tuple[Tensor, ...], tuple[Tensor, ...]]
-
-
 def adamw_step(
     grad: Tensor,
-    moments: Moments,
-    storages: Storages,
-    tables: Tables,
+    moments: dict[str, Moment],
     hyper: Tensor,
     weights: Tensor | None,
     seeds: tuple[Tensor, ...] = (),
     keep: Tensor | None = None,
 ) -> Tensor | None:
     """One AdamW step of the fp32 matrix ``grad`` (rows × columns, contiguous): both moments
-    (stored parts by name, updated in place) and, with ``weights`` (the parameter's matrix,
-    fp32 or bf16, updated in place), the parameter; without, the direction is returned (a
-    projected matrix projects it back itself).
+    (``exp_avg`` and ``exp_avg_sq``: stored parts by name, updated in place, their storage and
+    lookup tables, as ``adafactor_step`` takes them) and, with ``weights`` (the parameter's
+    matrix, fp32 or bf16, updated in place), the parameter; without, the direction is returned
+    (a projected matrix projects it back itself).
 
-    ``hyper`` is ``hyperparameters(...)``: values that change every step are data, not
-    constants, so the compiled step is built once. ``tables`` are each blockwise moment's map
-    and nearest-code table. ``seeds`` are the streams (``slimopt.codecs.draws``) of the
-    stochastic roundings, in the reference path's order: each stochastic moment's, then the
-    weights' when there is one more (bf16 weights rounded stochastically).
+    ``hyper`` is ``adamw.hyperparameters(...)``: values that change every step are data, not
+    constants, so the compiled step is built once. ``seeds`` are the streams
+    (``slimopt.codecs.draws``) of the stochastic roundings, in the reference path's order: each
+    stochastic moment's, then the weights' when there is one more (bf16 weights rounded
+    stochastically).
 
     ``keep``: a one-element bool tensor on the device, whether the gradient is finite. Where it
     is False nothing stored changes and the direction is zero: a non-finite gradient is skipped
     without the host reading the decision (no synchronisation)."""
+    parts, storages, tables = zip(*moments.values(), strict=True)
     matrix = grad.shape
     triton_step = triton_step_of(storages) if grad.device.type in TRITON_DEVICE_TYPES else None
     if triton_step is not None:
-        return triton_step(grad, moments, storages, tables, hyper, weights, seeds, keep)
+        return triton_step(grad, parts, storages, tables, hyper, weights, seeds, keep)
     if not any(storage.kind in formats.MATRIX_KINDS for storage in storages):
         # Elementwise storage: the step runs on flat vectors of dynamic length, one compiled
         # step for every shape (matrix index arithmetic of symbolic width is slower).
         grad, weights = grad.view(-1), None if weights is None else weights.view(-1)
-        mark_dynamic(grad, weights, *(t for parts in moments for t in parts.values()))
+        mark_dynamic(grad, weights, *(t for stored in parts for t in stored.values()))
     # Moments scaled by rows and columns compile once per matrix shape: with sizes as constants
     # the element → byte, digit and block arithmetic of ternary codes becomes multiplications
     # by constants instead of divisions by symbols, and Inductor drops the bounds checks that
     # kept the loops scalar (measured: docs/results/storage.md).
     with compile_settings():
-        step = compiled(_adamw_step)
-        direction, deferred = step(grad, moments, storages, tables, hyper, weights, seeds, keep)
+        step = compiled(adamw.adamw_step)
+        direction, deferred = step(grad, parts, storages, tables, hyper, weights, seeds, keep)
         _encode_in_phases(deferred, keep)
     return None if direction is None else direction.view(matrix)
 
 
 def adamw_steps(
     grads: list[Tensor],
-    moments: list[Moments],
+    moments: list[adamw.Moments],
     hypers: Tensor,
     weights: list[Tensor],
     keeps: list[Tensor | None],
@@ -137,7 +129,7 @@ def adamw_steps(
     """One AdamW step of each of several tensors with fp32 moments, in one call: what
     ``adamw_step`` does for grad ``i`` (contiguous, fp32 or bf16: read as fp32), its two
     moments' parts and its ``weights`` (contiguous, fp32 or bf16 rounded to nearest), with row
-    ``i`` of ``hypers`` (stacked ``hyperparameters``) and ``keeps[i]``.
+    ``i`` of ``hypers`` (stacked ``adamw.hyperparameters``) and ``keeps[i]``.
 
     On a Triton device, one launch of the multi-tensor kernel (``triton_multi_tensor``), where a
     launch per tensor costs more than the update of a norm's few thousand elements. Elsewhere
@@ -150,7 +142,7 @@ def adamw_steps(
         triton_multi_tensor.adamw_steps(grads, moments, hypers, weights, keeps)
         return
     with compile_settings():
-        compiled(_adamw_steps)(grads, moments, hypers, weights, keeps)
+        compiled(adamw.adamw_steps)(grads, moments, hypers, weights, keeps)
 
 
 def adafactor_step(
@@ -191,35 +183,7 @@ def _encode_in_phases(deferred: tuple[Deferred, ...], keep: Tensor | None) -> No
         compiled(formats.write_trits)(value, scales, parts, storage, seed, keep)
 
 
-def hyperparameters(
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    age: int,
-    scale: float,
-    device: Any,
-) -> Tensor:
-    """The step's scalars as one fp32 tensor on ``device``, each computed in double precision
-    and rounded once, as the reference path's Python floats are when an operation takes them.
-    The tensor is shared by every parameter with the same scalars (read only): one host-to-device
-    copy per group and step, not one per parameter."""
-    beta1, beta2 = (float(beta) for beta in betas)
-    lr, eps, weight_decay = float(lr), float(eps), float(weight_decay)
-    values = (
-        1 - beta1,
-        beta2,
-        1 - beta2,
-        eps,
-        1 - beta1**age,
-        (1 - beta2**age) ** 0.5,
-        1 - lr * weight_decay,
-        -lr * scale,
-    )
-    return scalars(values, torch.device(device))
-
-
-def triton_step_of(storages: Storages) -> Callable[..., Tensor | None] | None:
+def triton_step_of(storages: tuple[Storage, ...]) -> Callable[..., Tensor | None] | None:
     """The hand-written Triton step (``adamw_step``'s arguments) that covers moments stored as
     ``storages``, or None: ``triton_adamw``'s for elementwise formats (blocks of one even size
     where both are blockwise), ``triton_ternary``'s for a ternary first moment with row and
@@ -236,70 +200,3 @@ def triton_step_of(storages: Storages) -> Callable[..., Tensor | None] | None:
     from slimopt.kernels import triton_adamw
 
     return triton_adamw.adamw_step
-
-
-def _adamw_steps(
-    grads: list[Tensor],
-    moments: list[Moments],
-    hypers: Tensor,
-    weights: list[Tensor],
-    keeps: list[Tensor | None],
-) -> None:
-    """``adamw_steps``' compiled part."""
-    storages = (Storage(), Storage())
-    for index, (grad, pair, target, keep) in enumerate(zip(grads, moments, weights, keeps, strict=True)):
-        _adamw_step(grad.view(-1).float(), pair, storages, ((), ()), hypers[index], target.view(-1), (), keep)
-
-
-def _adamw_step(
-    grad: Tensor,
-    moments: Moments,
-    storages: Storages,
-    tables: Tables,
-    hyper: Tensor,
-    weights: Tensor | None,
-    seeds: tuple[Tensor, ...],
-    keep: Tensor | None,
-) -> tuple[Tensor | None, tuple[Deferred, ...]]:
-    """``adamw_step``'s compiled part: it returns the direction (None with ``weights``) and, for
-    each ternary moment, its new value, stream, stored parts and storage, which the caller
-    encodes in phases."""
-    new1, beta2, new2, eps, correction1, correction2_sqrt, decay, alpha = hyper.unbind()
-    streams = iter(seeds)
-    grad_shape = shape = grad.shape
-    numel, padding = grad.numel(), 0
-    if storages[0].kind == "blockwise" and storages[0].block_size == storages[1].block_size:
-        # Both moments in blocks of one size: the whole step in blocks × block_size, where the
-        # per-block scales broadcast along rows.
-        shape = formats.blocks_shape(moments[0], storages[0])
-        padding = shape.numel() - numel
-        grad = torch.nn.functional.pad(grad.reshape(-1), (0, padding)).view(shape)
-    exp_avg, exp_avg_sq = (
-        formats.decode(parts, storage, table, shape)
-        for parts, storage, table in zip(moments, storages, tables, strict=True)
-    )
-    # The reference rule's operations, in its order (slimopt.rules.adamw).
-    exp_avg = torch.lerp(exp_avg, grad, new1)  # new1, new2: the weights of the new gradient
-    exp_avg_sq = exp_avg_sq * beta2 + new2 * grad * grad
-    direction = exp_avg / (exp_avg_sq.sqrt() / correction2_sqrt + eps) / correction1
-    if padding:
-        # The reference encodes the moment padded with zeros; a decoded padding need not be zero
-        # (the 4-bit second-moment map has no zero), so it is cleared before the block scales.
-        real = (torch.arange(shape.numel(), device=grad.device) < numel).view(shape)
-        exp_avg, exp_avg_sq = exp_avg * real, exp_avg_sq * real
-        direction = direction.reshape(-1)[:numel]
-    direction = direction.reshape(grad_shape)
-    deferred = []
-    for value, parts, storage, table in zip((exp_avg, exp_avg_sq), moments, storages, tables, strict=True):
-        seed = next(streams) if storage.stochastic else None
-        if storage.kind == "ternary":
-            deferred.append((value, seed, parts, storage))  # the caller encodes it in phases
-        else:
-            formats.encode_into(value, parts, storage, table, seed, keep)
-    if weights is None:
-        return direction if keep is None else torch.where(keep, direction, 0.0), tuple(deferred)
-    target = weights.float() * decay + alpha * direction
-    if weights.dtype == torch.bfloat16:
-        target = round_to_bf16(target, next(streams, None))
-    store(weights, target, keep)
-    return None, tuple(deferred)

@@ -56,8 +56,9 @@ def adamw_step(
     keep: Tensor | None = None,
 ) -> Tensor | None:
     """``slimopt.kernels.adamw_step`` for the elementwise storages that
-    ``slimopt.kernels.triton_step_of`` gives it: the same arguments (flat or matrix tensors,
-    contiguous), the direction returned when ``weights`` is None."""
+    ``slimopt.kernels.triton_step_of`` gives it: the arguments of its compiled step
+    (``slimopt.kernels.adamw.adamw_step``: flat or matrix tensors, contiguous), the direction
+    returned when ``weights`` is None."""
     numel = grad.numel()
     direction = grad.new_empty(grad.shape) if weights is None else None
     if numel == 0:

@@ -79,9 +79,9 @@ def adamw_step(
     seeds: tuple[Tensor, ...],
     keep: Tensor | None = None,
 ) -> Tensor | None:
-    """``slimopt.kernels.adamw_step`` for storages that ``handles`` accepts: the same arguments
-    (``grad`` a contiguous rows × columns matrix, ``weights`` its parameter), the direction
-    returned when ``weights`` is None."""
+    """``slimopt.kernels.adamw_step`` for storages that ``handles`` accepts: the arguments of
+    its compiled step (``slimopt.kernels.adamw.adamw_step``; ``grad`` a contiguous rows ×
+    columns matrix, ``weights`` its parameter), the direction returned when ``weights`` is None."""
     rows, cols = grad.shape
     direction = grad.new_empty(grad.shape) if weights is None else None
     first, second = moments
