@@ -55,14 +55,6 @@ def direction_scale(shape: tuple[int, int]) -> float:
     return rows / cols
 
 
-def dense_direction(rows: Tensor, signs: Tensor, shape: tuple[int, int]) -> Tensor:
-    """The m×n direction of ``column_top1``'s (rows, signs), for tests and the oracle's checks:
-    the optimizer applies it with one ``scatter_add_`` of n values instead."""
-    direction = torch.zeros(shape, dtype=torch.float32, device=rows.device)
-    direction.scatter_(0, rows.unsqueeze(0), (signs * direction_scale(shape)).unsqueeze(0).float())
-    return direction
-
-
 def index_dtype(rows: int) -> torch.dtype:
     """The smallest signed integer type for row indices below ``rows``."""
     return torch.int16 if rows <= torch.iinfo(torch.int16).max else torch.int32
@@ -127,13 +119,6 @@ def dense_ema_source(average: Tensor, grad: Tensor, beta: float) -> tuple[Tensor
     ``column_top1``. The same arithmetic as a sketch's slots, so a sketch with k ≥ m equals it."""
     average.copy_(average * beta + grad.float() * (1 - beta))
     return column_top1(average)
-
-
-def sketch_nbytes_per_column(rows: int, k: int, values: str = "fp8") -> int:
-    """Bytes of one column's sketch: k indices, k values and one fp32 scale."""
-    index = torch.empty((), dtype=index_dtype(rows)).element_size()
-    value = 1 if values == "fp8" else 4
-    return min(k, rows) * (index + value) + 4
 
 
 def _store(sketch: dict[str, Tensor], rows: Tensor, values: Tensor) -> None:
