@@ -22,6 +22,7 @@ from torch import nn
 
 import slimopt
 from slimopt import APOLLOAdamW, GaLoreAdamW, state_nbytes
+from slimopt.codecs import STATE_FORMATS
 from slimopt.projection import canonicalize_signs
 
 from .configurations import loss_of, make_net
@@ -194,7 +195,7 @@ def test_resume_is_bit_exact_across_a_redraw(name: str) -> None:
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("states", ["fp32", "bf16", "int8", "int4", "ternary"])
+@pytest.mark.parametrize("states", STATE_FORMATS)
 def test_every_storage_format_trains_and_costs_galores_moments_without_the_basis(states: str) -> None:
     """APOLLO's state is GaLore's moments at the same rank, without the basis, plus the
     limiter's one number per matrix; and the toy regression's loss falls in every format."""

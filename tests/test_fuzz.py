@@ -21,14 +21,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slimopt import GaLoreAdamW, state_nbytes
-from slimopt.codecs import DEFAULT_BLOCK_SIZES, MIN_COMPRESSED_NUMEL, moment_codec
+from slimopt.codecs import DEFAULT_BLOCK_SIZES, MIN_COMPRESSED_NUMEL, STATE_FORMATS, moment_codec
 from slimopt.codecs.maps import dynamic_map, linear_map_without_zero
 from slimopt.codecs.slicing import SLICE_NUMEL, matrix_shape, row_slices
 from slimopt.codecs.ternary import MIN_SCALED_LENGTH
 
 from .support import relative_error
-
-FORMATS = ("fp32", "bf16", "int8", "int4", "ternary")
 
 
 def budget(examples: int) -> settings:
@@ -114,7 +112,7 @@ def _nearest_bound(value: torch.Tensor, decoded: torch.Tensor, code_map: torch.T
 
 
 @budget(120)
-@given(data=st.data(), states=st.sampled_from(FORMATS), kind=st.sampled_from(["linear", "square"]))
+@given(data=st.data(), states=st.sampled_from(STATE_FORMATS), kind=st.sampled_from(["linear", "square"]))
 def test_decode_of_encode_is_within_the_formats_error_and_finite(data, states, kind) -> None:
     value = data.draw(moments(nonnegative=kind == "square"))
     shape = value.shape
@@ -187,7 +185,7 @@ def test_stochastic_rounding_is_unbiased(data, states) -> None:
 @given(
     rows=st.integers(2, 40_000),
     cols=st.sampled_from([1, 2, 1000, 2047, 2048, 4096, 4097, 65_536]),
-    states=st.sampled_from(FORMATS),
+    states=st.sampled_from(STATE_FORMATS),
 )
 def test_row_sliced_layouts_store_the_formula_bytes_on_the_meta_device(rows, cols, states) -> None:
     """A matrix over 2²² elements is stored by slices of rows (``codecs.rows``): what one step

@@ -10,10 +10,9 @@ import torch
 
 import slimopt
 from slimopt import GaLoreAdafactor, GaLoreAdamW
+from slimopt.codecs import STATE_FORMATS
 
 from .support import gradient, relative_error, step_on_gradients
-
-FORMATS = ["fp32", "bf16", "int8", "int4", "ternary"]
 
 
 def test_complex_parameters_train_as_torch_adamw_does() -> None:
@@ -117,7 +116,7 @@ def test_empty_matrices_in_a_projected_group_are_not_projected() -> None:
 
 
 @pytest.mark.parametrize("rank", [None, 16])
-@pytest.mark.parametrize("states", FORMATS)
+@pytest.mark.parametrize("states", STATE_FORMATS)
 def test_a_huge_finite_gradient_never_makes_parameters_nan(states, rank) -> None:
     """(1 − β₂)·g² overflows fp32 for g = 1e21: compressed states saturate instead of decoding
     0 · inf, and the rotation at the following refresh does not multiply inf by 0 either."""

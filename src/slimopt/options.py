@@ -15,7 +15,7 @@ from torch import Tensor
 
 from slimopt import kernels
 from slimopt.checks import beyond_float32, number, number_error
-from slimopt.codecs import moment_formats
+from slimopt.codecs import STATE_FORMATS, moment_formats
 from slimopt.codecs.slicing import matrix_shape
 from slimopt.projection import PROJ_METHODS, PROJ_TYPES
 from slimopt.projection import sides as projection_sides
@@ -121,7 +121,7 @@ OPTIONS: tuple[Option, ...] = (
         "fp32",
         str,
         "storage",
-        "state storage: fp32, bf16, int8, int4 or ternary, or one per moment as FIRST/SECOND",
+        f"state storage: {', '.join(STATE_FORMATS)}, or one per moment as FIRST/SECOND",
         layout=True,
         on_load="storage",
     ),
