@@ -25,7 +25,7 @@ from slimopt import APOLLOAdamW, GaLoreAdamW, state_nbytes
 from slimopt.codecs import STATE_FORMATS
 from slimopt.projection import canonicalize_signs
 
-from .configurations import loss_of, make_net
+from .configurations import loss_of, make_net, train
 from .support import gradient, relative_error
 
 apollo_torch = pytest.importorskip("apollo_torch")
@@ -168,29 +168,22 @@ def test_the_random_projection_is_drawn_from_its_seed_and_never_stored() -> None
     assert optimizer.state[weights[0]]["basis_draw"] == 4
 
 
-def _run(steps: range, net: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    for step in steps:
-        optimizer.zero_grad()
-        loss_of(net, step).backward()
-        optimizer.step()
-
-
 @pytest.mark.parametrize("name", ["apollo_adamw", "apollo_mini"])
 def test_resume_is_bit_exact_across_a_redraw(name: str) -> None:
     options = {"lr": 3e-3, "update_proj_gap": 4, **({"rank": 8} if name == "apollo_adamw" else {})}
     net = make_net()
     optimizer = slimopt.build_optimizer(net, name, **options)
-    _run(range(5), net, optimizer)
+    train(net, optimizer, range(5))
     saved = io.BytesIO()
     torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, saved)
-    _run(range(5, 10), net, optimizer)
+    train(net, optimizer, range(5, 10))
     saved.seek(0)
     checkpoint = torch.load(saved, weights_only=True)
     resumed_net = make_net(seed=1)
     resumed_net.load_state_dict(checkpoint["model"])
     resumed = slimopt.build_optimizer(resumed_net, name, **options)
     resumed.load_state_dict(checkpoint["optimizer"])
-    _run(range(5, 10), resumed_net, resumed)
+    train(resumed_net, resumed, range(5, 10))
     for a, b in zip(net.parameters(), resumed_net.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -203,8 +196,8 @@ def test_every_storage_format_trains_and_costs_galores_moments_without_the_basis
     optimizer = slimopt.build_optimizer(net, "apollo_adamw", lr=3e-3, rank=32, states=states)
     galore = slimopt.build_optimizer(galore_net, "galore_adamw", lr=3e-3, rank=32, states=states)
     first = loss_of(net, 0).item()
-    _run(range(40), galore_net, galore)
-    _run(range(40), net, optimizer)
+    train(galore_net, galore, range(40))
+    train(net, optimizer, range(40))
     assert loss_of(net, 0).item() < 0.8 * first
     matrices = [p for p in galore_net.parameters() if p.dim() == 2]
     bases = sum(
@@ -396,7 +389,7 @@ def test_a_checkpoint_loads_into_another_storage_format_without_storing_a_projec
     projection still drawn from its seed (no basis appears in the state)."""
     net = make_net()
     optimizer = slimopt.build_optimizer(net, "apollo_adamw", lr=3e-3, rank=32, update_proj_gap=3)
-    _run(range(4), net, optimizer)
+    train(net, optimizer, range(4))
     int8 = slimopt.build_optimizer(net, "apollo_adamw", lr=3e-3, rank=32, update_proj_gap=3, states="int8")
     int8.load_state_dict(optimizer.state_dict())
     weight = net.up.weight
