@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,6 +33,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+def like_cuda(optimizer: Any, *, triton: bool = False, flags: bool = False) -> Any:
+    """``optimizer`` with CUDA's fused-path choices on the CPU too (``kernels.FusedPolicy``):
+    the hand-written Triton kernels (in Triton's interpreter) with ``triton``, non-finite
+    decisions left on the device with ``flags``."""
+    from slimopt.kernels import FusedPolicy
+
+    both = ("cuda", "cpu")
+    optimizer.engine.use_fused_policy(
+        FusedPolicy(triton=both if triton else ("cuda",), flags=both if flags else ("cuda",))
+    )
+    return optimizer
+
+
 @dataclass
 class FusedBackend:
     """Which fused step a test runs, and the Triton kernels' launches (none for "compiled"): the
@@ -39,6 +53,15 @@ class FusedBackend:
 
     name: str
     launches: list[int] = field(default_factory=list)
+
+    @property
+    def triton(self) -> bool:
+        """Whether the hand-written Triton kernels take the fused steps."""
+        return self.name == "triton"
+
+    def configure(self, optimizer: Any, *, flags: bool = False) -> Any:
+        """``optimizer`` running its fused steps by this backend (``like_cuda``)."""
+        return like_cuda(optimizer, triton=self.triton, flags=flags)
 
     def check(self) -> None:
         """Fail unless a Triton kernel ran (for the "triton" backend)."""
@@ -48,15 +71,13 @@ class FusedBackend:
 @pytest.fixture(params=["compiled", "triton"])
 def fused_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> FusedBackend:
     """Runs a fused-step test twice: through the compiled step, and through the hand-written
-    Triton kernels wherever they cover the storage (on CPU tensors in Triton's interpreter); the
-    test ends with ``fused_backend.check()``."""
+    Triton kernels wherever they cover the storage (on CPU tensors in Triton's interpreter,
+    for optimizers given ``configure``); the test ends with ``fused_backend.check()``."""
     backend = FusedBackend(request.param)
-    if backend.name == "triton":
+    if backend.triton:
         pytest.importorskip("triton")
-        from slimopt import kernels
         from slimopt.kernels import triton_adamw, triton_multi_tensor, triton_ternary
 
-        monkeypatch.setattr(kernels, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
         for module in (triton_adamw, triton_ternary):
             one = module.adamw_step
             launch_one = lambda *args, one=one: backend.launches.append(1) or one(*args)  # noqa: E731
@@ -65,14 +86,6 @@ def fused_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
         launch_many = lambda *args: backend.launches.append(len(args[0])) or many(*args)  # noqa: E731
         monkeypatch.setattr(triton_multi_tensor, "adamw_steps", launch_many)
     return backend
-
-
-@pytest.fixture
-def decisions_on_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused path leaves its non-finite decisions on the device on the CPU too, as on CUDA."""
-    from slimopt import finite
-
-    monkeypatch.setattr(finite, "DECIDED_ON_DEVICE", ("cuda", "cpu"))
 
 
 @pytest.fixture

@@ -14,17 +14,20 @@ import slimopt
 from slimopt import kernels
 from slimopt.finite import Decisions, finite_flags, read
 
+from .conftest import FusedBackend, like_cuda
 from .support import relative_error
 
-pytestmark = pytest.mark.usefixtures("decisions_on_device")
+# The fused path's decisions stay on the device on the CPU in these tests, as they do on CUDA
+# (``like_cuda(..., flags=True)``), unless a test says otherwise.
 
 
-def _nonfinite_run(name: str, fused: bool, dtype: torch.dtype, **options):
+def _nonfinite_run(name: str, fused: bool, dtype: torch.dtype, backend: FusedBackend, **options):
     """Five steps of a small model; step 2 gives one matrix a NaN and the bias an inf gradient,
     step 3 gives the other matrix an overflowing one (finite, but inf once squared)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(96, 80), torch.nn.Linear(80, 72, bias=False)).to(dtype)
-    optimizer = slimopt.build_optimizer(model, name, fused=fused, **{"lr": 1e-2, **options})
+    built = slimopt.build_optimizer(model, name, fused=fused, **{"lr": 1e-2, **options})
+    optimizer = backend.configure(built, flags=True)
     generator = torch.Generator().manual_seed(1)
     caught = []
     for step in range(5):
@@ -62,8 +65,8 @@ def test_the_fused_path_skips_on_the_device_as_the_reference_path_skips(
 ) -> None:
     if fused_backend.name == "triton" and "adafactor" in name:
         pytest.skip("Adafactor has no Triton kernel of its own: compiled only")
-    reference, ref_counts, ref_warnings, _ = _nonfinite_run(name, False, dtype, **options)
-    fused, counts, seen, optimizer = _nonfinite_run(name, True, dtype, **options)
+    reference, ref_counts, ref_warnings, _ = _nonfinite_run(name, False, dtype, fused_backend, **options)
+    fused, counts, seen, optimizer = _nonfinite_run(name, True, dtype, fused_backend, **options)
     assert optimizer.fused_path == ["fused"] * len(optimizer.param_groups)
     assert counts == ref_counts and any(skips for _, _, skips in counts)
     assert seen == ref_warnings and seen
@@ -76,7 +79,7 @@ def test_the_fused_path_skips_on_the_device_as_the_reference_path_skips(
 def test_a_skipped_update_changes_nothing_stored() -> None:
     """A NaN gradient on the fused path: every stored tensor and the weights stay bit for bit."""
     weight = torch.nn.Parameter(torch.randn(128, 64))
-    optimizer = slimopt.AdamWTernary([weight], lr=1e-3, weight_decay=0.1, fused=True)
+    optimizer = like_cuda(slimopt.AdamWTernary([weight], lr=1e-3, weight_decay=0.1, fused=True), flags=True)
     weight.grad = torch.randn(128, 64)
     optimizer.step()
     stored = {k: v.clone() for k, v in optimizer.state[weight].items() if isinstance(v, torch.Tensor)}
@@ -96,7 +99,7 @@ def test_the_host_learns_a_skip_only_later_and_the_step_reads_nothing(monkeypatc
     flags, takes the skipped step back and warns."""
     monkeypatch.setattr(Decisions, "on_host", lambda self: False)
     weight = torch.nn.Parameter(torch.randn(96, 80))
-    optimizer = slimopt.AdamW8bit([weight], lr=1e-2, fused=True)
+    optimizer = like_cuda(slimopt.AdamW8bit([weight], lr=1e-2, fused=True), flags=True)
     weight.grad = torch.randn(96, 80)
     optimizer.step()
     optimizer.step()  # the first step decides on the host (it creates the state); this one does not
@@ -131,15 +134,17 @@ def test_flags_are_exact_where_a_norm_would_overflow() -> None:
 
 
 def test_on_the_cpu_the_fused_path_reads_its_decision_before_the_step(monkeypatch) -> None:
-    """Without the tests' override the CPU reads its flags at once (masking the writes would cost
-    more than reading): a NaN step is skipped and warned about inside that ``step()``, and the
-    fused step itself runs without a mask."""
-    from slimopt import finite, kernels
-
-    monkeypatch.setattr(finite, "DECIDED_ON_DEVICE", ("cuda",))
+    """By default the CPU reads its flags at once (masking the writes would cost more than
+    reading): a NaN step is skipped and warned about inside that ``step()``, and the fused step
+    itself runs without a mask."""
     masks = []
     fused_step = kernels.adamw_step
-    monkeypatch.setattr(kernels, "adamw_step", lambda *args: masks.append(args[-1]) or fused_step(*args))
+
+    def recording(*args, **kwargs):
+        masks.append(args[-1])
+        return fused_step(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "adamw_step", recording)
     weight = torch.nn.Parameter(torch.randn(96, 80))
     optimizer = slimopt.AdamW8bit([weight], lr=1e-2, fused=True)
     for _ in range(2):
@@ -160,13 +165,19 @@ def test_small_tensors_updated_together_skip_one_by_one(dtype, monkeypatch, fuse
     alone, as the reference path does."""
     calls = []
     together = kernels.adamw_steps
-    monkeypatch.setattr(kernels, "adamw_steps", lambda *args: calls.append(len(args[0])) or together(*args))
+
+    def counting(*args, **kwargs):
+        calls.append(len(args[0]))
+        return together(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "adamw_steps", counting)
 
     def run(fused: bool) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
         torch.manual_seed(0)
         layers = (torch.nn.Linear(96, 80), torch.nn.LayerNorm(80), torch.nn.Linear(80, 72))
         model = torch.nn.Sequential(*layers).to(dtype)
-        optimizer = slimopt.build_optimizer(model, "adamw8bit", lr=1e-2, fused=fused)
+        built = slimopt.build_optimizer(model, "adamw8bit", lr=1e-2, fused=fused)
+        optimizer = fused_backend.configure(built, flags=True)
         generator = torch.Generator().manual_seed(1)
         for step in range(4):
             for param in model.parameters():

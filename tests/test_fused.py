@@ -111,7 +111,9 @@ def test_triton_kernel_matches_the_reference_path(name, options, dtype, fused_ba
         model = torch.nn.Sequential(
             torch.nn.Linear(91, 67), torch.nn.LayerNorm(67), torch.nn.Linear(67, 75, bias=False)
         ).to(dtype)
-        optimizer = slimopt.build_optimizer(model, name, lr=1e-2, fused=fused, **options)
+        optimizer = fused_backend.configure(
+            slimopt.build_optimizer(model, name, lr=1e-2, fused=fused, **options)
+        )
         generator = torch.Generator().manual_seed(1)
         for _ in range(3):
             for param in model.parameters():
@@ -150,7 +152,8 @@ def test_codes_are_the_reference_encoding(states, numel, fused_backend) -> None:
         key: fused_moment(codec, parts, cpu) for key, codec, parts in zip(decoded, codecs, ours, strict=True)
     }
     hyper = kernels.adamw.hyperparameters(1e-3, (0.9, 0.999), 1e-8, 0.0, 7, 1.0, "cpu")
-    fused_direction = kernels.adamw_step(grad.view(1, -1), fused_moments, hyper, None).view(-1)
+    triton = fused_backend.triton
+    fused_direction = kernels.adamw_step(grad.view(1, -1), fused_moments, hyper, None, triton=triton).view(-1)
     # fp32 round-off: one rounding of a multiply-add here and there, relative to the whole (an
     # element near zero after the moment's cancellation differs more in its own terms).
     assert relative_error(fused_direction, direction) < 1e-6
@@ -185,7 +188,7 @@ def test_channels_last_and_empty_parameters(fused_backend) -> None:
         torch.manual_seed(0)
         kernel = torch.nn.Parameter(torch.randn(64, 32, 3, 3).to(memory_format=torch.channels_last))
         empty = torch.nn.Parameter(torch.randn(0, 8))
-        optimizer = slimopt.AdamW8bit([kernel, empty], lr=1e-2, fused=fused)
+        optimizer = fused_backend.configure(slimopt.AdamW8bit([kernel, empty], lr=1e-2, fused=fused))
         for step in range(3):
             kernel.grad = torch.randn(kernel.shape, generator=torch.Generator().manual_seed(step))
             empty.grad = torch.zeros_like(empty)
@@ -288,7 +291,7 @@ def test_auto_mode_falls_back_to_the_reference_path_when_the_step_does_not_compi
         raise kernels.CompileFailure(lambda: None, RuntimeError("triton: no kernel for this GPU"), None)
 
     def on_this_device(optimizer):  # auto mode fusing here, as it does on CUDA
-        optimizer.engine.auto_fusing.devices = ("cuda", "cpu")
+        optimizer.engine.use_fused_policy(kernels.FusedPolicy(auto=("cuda", "cpu")))
 
     monkeypatch.setattr(kernels, "compiler_error", lambda device_type: None)
     reference, _ = _run("adamw8bit", False)
@@ -369,7 +372,7 @@ def test_stochastic_formats_draw_what_the_reference_draws(states, shape, fused_b
     fused_moments = {
         key: fused_moment(codec, parts, cpu) for key, codec, parts in zip(keys, codecs, ours, strict=True)
     }
-    fused_direction = kernels.adamw_step(grad, fused_moments, hyper, None, seeds)
+    fused_direction = kernels.adamw_step(grad, fused_moments, hyper, None, seeds, triton=fused_backend.triton)
     assert relative_error(fused_direction, direction) < 1e-6
     for mine, theirs in zip(ours, expected, strict=True):
         assert mine.keys() == theirs.keys()

@@ -38,7 +38,7 @@ from torch.profiler import profile
 
 import slimopt
 
-pytestmark = pytest.mark.usefixtures("decisions_on_device")
+from .conftest import like_cuda
 
 # Operations that only describe tensors (views; dtype or device conversions that are no-ops for
 # fp32 CPU tensors), read a vote back to the host, allocate the step's scalars or look up a
@@ -75,6 +75,7 @@ def _operations_per_step(groups: list[dict], states: str, rule: str = "adamw") -
         optimizer = slimopt.GaLoreAdamW(groups, lr=1e-3, states=states, fused=True)
     else:  # relative step, the weights' RMS, momentum
         optimizer = slimopt.GaLoreAdafactor(groups, beta1=0.9, states=states, fused=True)
+    like_cuda(optimizer, flags=True)  # the decisions stay on the device, as on CUDA
     generator = torch.Generator().manual_seed(0)
     for group in groups:
         for param in group["params"]:

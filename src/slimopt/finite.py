@@ -21,17 +21,6 @@ from torch import Tensor
 
 from slimopt.collectives import all_reduce
 
-# Devices where the fused path leaves its decisions on the device. On the CPU reading a flag
-# waits for nothing, while masking every write with it costs (docs/results/storage.md:
-# the masked and the read-first int8 step).
-# The tests add "cpu" to run the device path.
-DECIDED_ON_DEVICE = ("cuda",)
-
-
-def decided_on_device(device: torch.device) -> bool:
-    """Whether the fused path on ``device`` leaves its non-finite decisions on the device."""
-    return device.type in DECIDED_ON_DEVICE
-
 
 def finite_flags(grads: list[Tensor], groups: list[Any]) -> list[Tensor | None]:
     """For each gradient (real: a complex one as its real pairs), a one-element bool tensor on

@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import slimopt  # noqa: E402
-from slimopt import finite, kernels  # noqa: E402
+from slimopt import kernels  # noqa: E402
 from slimopt.kernels import triton_adamw, triton_multi_tensor, triton_ternary  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -83,8 +83,8 @@ def record_launches() -> list:
     launches: list = []
     for module, name in KERNELS:
         setattr(module, name, Recorder(getattr(module, name), launches))
-    kernels.TRITON_DEVICE_TYPES = ("cuda", "cpu")
-    finite.DECIDED_ON_DEVICE = ("cuda", "cpu")  # skip flags on the device, as on CUDA
+    # The Triton kernels, and skip flags kept on the device, on the CPU as on CUDA.
+    policy = kernels.FusedPolicy(triton=("cuda", "cpu"), flags=("cuda", "cpu"))
     for dtype in (torch.float32, torch.bfloat16):
         for name, options in RUNS:
             torch.manual_seed(0)
@@ -92,6 +92,7 @@ def record_launches() -> list:
                 torch.nn.Linear(160, 144), torch.nn.LayerNorm(144), torch.nn.Linear(144, 72, bias=False)
             ).to(dtype)
             optimizer = slimopt.build_optimizer(model, name, lr=1e-3, fused=True, **options)
+            optimizer.engine.use_fused_policy(policy)
             for _ in range(2):  # the first step creates the state
                 for param in model.parameters():
                     param.grad = torch.randn(param.shape).to(dtype)

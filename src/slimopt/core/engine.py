@@ -60,7 +60,7 @@ class Engine:
         self.refresh_group: Any = None  # spread_refreshes: the processes that share refresh work
         self.decisions = Decisions()  # fused updates under finite flags not yet read (slimopt.finite)
         self._probes: dict[str, Callable[[], AbstractContextManager[Any]]] = {}
-        self.auto_fusing = kernels.AutoFusing()  # fused=None's choice, given up on a failed compile
+        self._fused_policy = kernels.FusedPolicy()
 
     def step(self) -> None:
         """Update every parameter that has a gradient (``optimizer.step()`` without its closure)."""
@@ -156,8 +156,19 @@ class Engine:
         self._given_places = places
         self.replan()
 
+    @property
+    def fused_policy(self) -> kernels.FusedPolicy:
+        """This optimizer's fused path by device (``kernels.FusedPolicy``: auto mode and its
+        give-up after a failed compile, the Triton kernels, non-finite flags on the device)."""
+        return self._fused_policy
+
+    def use_fused_policy(self, policy: kernels.FusedPolicy) -> None:
+        """Run the fused path by ``policy`` from now on (every unit planned anew)."""
+        self._fused_policy = policy
+        self.replan()
+
     def _context(self) -> PlanContext:
-        return PlanContext(self._rule_of, self.sharding_of, self._place_of, self.auto_fusing)
+        return PlanContext(self._rule_of, self.sharding_of, self._place_of, self._fused_policy)
 
     def _place_of(self, param: Tensor) -> Place:
         return self.places()[param]

@@ -88,11 +88,12 @@ def fused_step(
                 grad, moments, factored, hyper, scale_parameter, weights, seeds, update.keep
             )
         hyper = adamw_hyperparameters(update, weights, grad.device)
-        return kernels.adamw_step(grad, moments, hyper, weights, seeds, update.keep)
+        triton = plan.policy.triton_on(device.type)
+        return kernels.adamw_step(grad, moments, hyper, weights, seeds, update.keep, triton=triton)
     except kernels.compile_failures() as error:
         if plan.group["fused"] is True:
             raise
-        give_up_auto(plan.auto, error)
+        give_up_auto(plan.policy, error)
         raise NotCompiled from error
 
 
@@ -150,21 +151,23 @@ def update_together(batch: list[Update]) -> list[Outcome]:
         grads.append(update.grad)
         weights.append(own)
     try:
-        kernels.adamw_steps(grads, moments, torch.stack(hypers), weights, [u.keep for u in batch])
+        triton = batch[0].plan.policy.triton_on(batch[0].unit.device.type)  # one device, one optimizer
+        keeps = [u.keep for u in batch]
+        kernels.adamw_steps(grads, moments, torch.stack(hypers), weights, keeps, triton=triton)
     except kernels.compile_failures() as error:
         if any(u.plan.group["fused"] is True for u in batch):
             raise
-        give_up_auto(batch[0].plan.auto, error)
+        give_up_auto(batch[0].plan.policy, error)
         raise NotCompiled from error
     return [Outcome.TAKEN if u.keep is None else Outcome.MASKED for u in batch]
 
 
-def give_up_auto(auto: kernels.AutoFusing, error: Exception) -> None:
+def give_up_auto(policy: kernels.FusedPolicy, error: Exception) -> None:
     """Auto mode's answer to a fused step that did not compile: the reference path from now on
     (it promised only the fastest exact path, and the reference path is one), with a warning."""
     cause = getattr(error, "inner_exception", error)
     reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-    auto.give_up(reason)
+    policy.give_up(reason)
     warnings.warn(
         f"slimopt: the fused step did not compile ({reason}); fused=None uses the reference path from now on",
         RuntimeWarning,

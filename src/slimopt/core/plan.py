@@ -67,7 +67,7 @@ class Plan:
     values_shape: torch.Size  # this process's values (real pairs of a complex parameter)
     by_row_slices: bool  # moments stored and updated a slice of rows at a time
     fusable: bool  # whether updates take the fused step (unless auto mode gives it up)
-    auto: kernels.AutoFusing  # the optimizer's auto mode, which a failed compile gives up
+    policy: kernels.FusedPolicy  # the optimizer's choices by device (auto mode, Triton, flags)
     rounds_weights: bool  # weights rounded stochastically: bf16 (or its correction), int8
     corrects_weights: bool  # bf16 weights with an 8-bit correction in the state
     place: Place
@@ -78,8 +78,8 @@ class Plan:
     @property
     def fused(self) -> bool:
         """Whether updates take the fused step now: auto mode gives it up for good when a fused
-        step fails to compile (``kernels.AutoFusing``)."""
-        return self.fusable and (self.group["fused"] is True or self.auto.failure is None)
+        step fails to compile (``kernels.FusedPolicy``)."""
+        return self.fusable and (self.group["fused"] is True or self.policy.failure is None)
 
     def current(self, group: dict[str, Any]) -> bool:
         """Whether this plan still holds for a unit of ``group``."""
@@ -184,8 +184,8 @@ def make_plan(
         sharding=None if expert is not None else context.sharding(param),
         values_shape=shape,
         by_row_slices=not projected and rule.elementwise and sliced(shape),
-        fusable=fusable(unit, group, rule, context.auto),
-        auto=context.auto,
+        fusable=fusable(unit, group, rule, context.policy),
+        policy=context.policy,
         rounds_weights=isinstance(unit, Int8Weight)
         or (group["param_rounding"] != "nearest" and unit.dtype == torch.bfloat16),
         corrects_weights=corrects_weights(unit, group),
@@ -197,12 +197,12 @@ def make_plan(
 class PlanContext:
     """What a plan is worked out from besides the unit and its group: the optimizer's rule
     lookup, the (cached) row sharding of a parameter, its place in the model and the
-    optimizer's auto mode."""
+    optimizer's fused policy."""
 
     rule_of: Callable[[dict[str, Any]], UpdateRule]
     sharding: Callable[[Tensor], RowSharding | None]
     place: Callable[[Tensor], Place]
-    auto: kernels.AutoFusing
+    policy: kernels.FusedPolicy
 
 
 def corrects_weights(unit: Tensor, group: dict[str, Any]) -> bool:
@@ -214,15 +214,16 @@ def corrects_weights(unit: Tensor, group: dict[str, Any]) -> bool:
     )
 
 
-def fusable(param: Tensor, group: dict[str, Any], rule: UpdateRule, auto: kernels.AutoFusing) -> bool:
+def fusable(param: Tensor, group: dict[str, Any], rule: UpdateRule, policy: kernels.FusedPolicy) -> bool:
     """Whether ``param`` takes the fused step (``slimopt.kernels``): always with
-    ``fused=True``, never with False, and with None where ``auto`` fuses and one exists."""
+    ``fused=True``, never with False, and with None where ``policy``'s auto mode fuses and one
+    exists."""
     choice = group["fused"]
     if choice is False or param.is_meta:
         return False
     if choice is True:
         return True
-    return auto.available(param.device.type) and fused_unsupported(rule, group, param) is None
+    return policy.available(param.device.type) and fused_unsupported(rule, group, param) is None
 
 
 def path_of(group: dict[str, Any], plans: list[Plan]) -> str:
@@ -236,7 +237,7 @@ def path_of(group: dict[str, Any], plans: list[Plan]) -> str:
     if group["fused"] is False:
         return "reference (fused=False)"
     reasons = {fused_unsupported(plan.rule, plan.group, plan.param) for plan in plans} - {None}
-    failure = plans[0].auto.failure  # every plan of an optimizer shares its auto mode
+    failure = plans[0].policy.failure  # every plan of an optimizer shares its policy
     if not reasons and failure:
         reasons = {f"the fused step did not compile: {failure}"}
     devices = {plan.param.device.type for plan in plans}

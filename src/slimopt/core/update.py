@@ -33,10 +33,10 @@ from slimopt.finite import Decisions
 
 def decides_on_device(update: Update) -> bool:
     """Whether ``update`` takes its non-finite decision on the device: on the fused path on a
-    device of ``finite.DECIDED_ON_DEVICE``, once its state exists (a first step creates the
-    state on the host)."""
+    device where its optimizer's policy keeps the flags (``FusedPolicy.flags_on``), once its
+    state exists (a first step creates the state on the host)."""
     plan = update.plan
-    return finite.decided_on_device(plan.param.device) and plan.fused and started(update.state)
+    return plan.policy.flags_on(plan.param.device.type) and plan.fused and started(update.state)
 
 
 def decide(updates: list[Update]) -> list[bool | Tensor]:

@@ -39,7 +39,7 @@ from slimopt.kernels.arguments import Deferred, Moment, scalars
 from slimopt.kernels.compiled import compile_settings, compiled, mark_dynamic
 from slimopt.kernels.policy import (
     FUSED_CHOICES,
-    AutoFusing,
+    FusedPolicy,
     compile_failure,
     compile_failures,
     compiler_error,
@@ -48,8 +48,7 @@ from slimopt.kernels.policy import (
 
 __all__ = [
     "FUSED_CHOICES",
-    "TRITON_DEVICE_TYPES",
-    "AutoFusing",
+    "FusedPolicy",
     "Moment",
     "Storage",
     "adafactor_step",
@@ -70,11 +69,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# Devices whose fused step for elementwise storage is the hand-written Triton kernel
-# (``triton_adamw``); the tests add "cpu" to run it in Triton's interpreter.
-TRITON_DEVICE_TYPES = ("cuda",)
-
-
 def adamw_step(
     grad: Tensor,
     moments: dict[str, Moment],
@@ -82,6 +76,8 @@ def adamw_step(
     weights: Tensor | None,
     seeds: tuple[Tensor, ...] = (),
     keep: Tensor | None = None,
+    *,
+    triton: bool = False,
 ) -> Tensor | None:
     """One AdamW step of the fp32 matrix ``grad`` (rows × columns, contiguous): both moments
     (``exp_avg`` and ``exp_avg_sq``: stored parts by name, updated in place, their storage and
@@ -97,10 +93,13 @@ def adamw_step(
 
     ``keep``: a one-element bool tensor on the device, whether the gradient is finite. Where it
     is False nothing stored changes and the direction is zero: a non-finite gradient is skipped
-    without the host reading the decision (no synchronisation)."""
+    without the host reading the decision (no synchronisation).
+
+    ``triton``: the hand-written Triton kernel takes the step where one covers the storage
+    (``FusedPolicy.triton_on`` of the device), else ``torch.compile``'s."""
     parts, storages, tables = zip(*moments.values(), strict=True)
     matrix = grad.shape
-    triton_step = triton_step_of(storages) if grad.device.type in TRITON_DEVICE_TYPES else None
+    triton_step = triton_step_of(storages) if triton else None
     if triton_step is not None:
         return triton_step(grad, parts, storages, tables, hyper, weights, seeds, keep)
     if not any(storage.kind in formats.MATRIX_KINDS for storage in storages):
@@ -125,18 +124,21 @@ def adamw_steps(
     hypers: Tensor,
     weights: list[Tensor],
     keeps: list[Tensor | None],
+    *,
+    triton: bool = False,
 ) -> None:
     """One AdamW step of each of several tensors with fp32 moments, in one call: what
     ``adamw_step`` does for grad ``i`` (contiguous, fp32 or bf16: read as fp32), its two
     moments' parts and its ``weights`` (contiguous, fp32 or bf16 rounded to nearest), with row
     ``i`` of ``hypers`` (stacked ``adamw.hyperparameters``) and ``keeps[i]``.
 
-    On a Triton device, one launch of the multi-tensor kernel (``triton_multi_tensor``), where a
-    launch per tensor costs more than the update of a norm's few thousand elements. Elsewhere
-    one compiled call, where each call pays dynamo's guards and wrappers
-    (docs/results/storage.md): grouped, a model's norms and biases pay them once. Shapes are
-    constants there: one compilation per set of tensors, which a model keeps from step to step."""
-    if hypers.device.type in TRITON_DEVICE_TYPES and triton_installed():
+    With ``triton`` (``FusedPolicy.triton_on`` of the device), one launch of the multi-tensor
+    kernel (``triton_multi_tensor``), where a launch per tensor costs more than the update of a
+    norm's few thousand elements. Elsewhere one compiled call, where each call pays dynamo's
+    guards and wrappers (docs/results/storage.md): grouped, a model's norms and biases pay them
+    once. Shapes are constants there: one compilation per set of tensors, which a model keeps
+    from step to step."""
+    if triton:
         from slimopt.kernels import triton_multi_tensor
 
         triton_multi_tensor.adamw_steps(grads, moments, hypers, weights, keeps)

@@ -1,6 +1,6 @@
-"""When the fused step is taken: what ``fused=`` accepts, whether auto mode fuses on a device
-(``AutoFusing``: CUDA with Triton, until a fused step of the optimizer fails to compile), and
-why ``torch.compile`` cannot build a step here."""
+"""When and how the fused step is taken: what ``fused=`` accepts, an optimizer's choices by device
+(``FusedPolicy``: auto mode, the Triton kernels, non-finite flags on the device), and why
+``torch.compile`` cannot build a step here."""
 
 from __future__ import annotations
 
@@ -34,18 +34,37 @@ def compile_failures() -> tuple[type[Exception], ...]:
     return failures
 
 
-class AutoFusing:
-    """Whether auto mode (``fused=None``) takes the fused step: on the ``devices`` (CUDA) where
-    ``torch.compile`` can build it, until a fused step fails to compile (``give_up``). Each
-    optimizer's engine owns one; a failure is that optimizer's to remember."""
+class FusedPolicy:
+    """How one optimizer's fused path runs, by device type: where auto mode (``fused=None``)
+    takes it (``auto``: CUDA, where ``torch.compile`` can build it, until a fused step fails to
+    compile: ``give_up``), where the hand-written Triton kernels take over from
+    ``torch.compile`` (``triton``: CUDA, with Triton installed), and where a fused update's
+    non-finite decision stays on the device as a flag instead of being read by the host
+    (``flags``: CUDA; on the CPU reading a flag waits for nothing, while masking every write
+    with it costs: docs/results/storage.md, the masked and the read-first int8 step). Each
+    optimizer's engine owns one (the tests give the CPU CUDA's choices
+    to run the Triton kernels in Triton's interpreter)."""
 
-    def __init__(self, devices: tuple[str, ...] = ("cuda",)) -> None:
-        self.devices = devices
+    def __init__(
+        self,
+        auto: tuple[str, ...] = ("cuda",),
+        triton: tuple[str, ...] = ("cuda",),
+        flags: tuple[str, ...] = ("cuda",),
+    ) -> None:
+        self.auto, self.triton, self.flags = auto, triton, flags
         self.failure: str | None = None  # why a fused step did not compile, or None
 
     def available(self, device_type: str) -> bool:
         """Whether auto mode takes the fused step on ``device_type`` now."""
-        return device_type in self.devices and self.failure is None and compiler_error(device_type) is None
+        return device_type in self.auto and self.failure is None and compiler_error(device_type) is None
+
+    def triton_on(self, device_type: str) -> bool:
+        """Whether the hand-written Triton kernels run the fused steps on ``device_type``."""
+        return device_type in self.triton and triton_installed()
+
+    def flags_on(self, device_type: str) -> bool:
+        """Whether fused updates on ``device_type`` leave their non-finite decisions on the device."""
+        return device_type in self.flags
 
     def give_up(self, reason: str) -> None:
         """Take the reference path in auto mode from now on, after ``reason`` (the first one is kept)."""
