@@ -1,6 +1,8 @@
 """The table of slimopt configurations that generic tests run over (as torch's ``OptimizerInfo``
 table does for ``torch.optim``): every registry name on a small network, projected where the
-name projects, plus per-expert projection, each with what it can and cannot do.
+name projects, plus per-expert projection, each with what it can and cannot do: where its fused
+step runs (``fused_on``, torch's ``supports_fused_on``) and the option variants the fused-step
+tests run it with (``fused_inputs``, ``triton_inputs``: torch's ``optim_inputs_func``).
 
 The network's matrices are 128×64 and 64×128 (rank 32): projected moments of 4096 elements, so
 compressed formats are stored compressed, not left fp32 for being small.
@@ -74,10 +76,22 @@ class Configuration:
     name: str  # registry name
     experts: bool = False
     options: dict[str, Any] = field(default_factory=dict)
+    # Option variants the fused step is checked with against the reference path on the test
+    # LLaMA, and those the hand-written Triton kernels are checked with (Triton's interpreter).
+    fused_inputs: tuple[dict[str, Any], ...] = ()
+    triton_inputs: tuple[dict[str, Any], ...] = ()
 
     @property
     def projected(self) -> bool:
         return OPTIMIZERS[self.name].projected
+
+    @property
+    def fused_on(self) -> tuple[str, ...]:
+        """The device types where ``fused=True`` takes the fused step for every group (none:
+        refused at construction, naming why)."""
+        spec = OPTIMIZERS[self.name]
+        scales = spec.projected and {**spec.cls.option_defaults(), **dict(spec.options)}["scale_type"]
+        return () if spec.cls.rule.fused is None or scales else ("cpu", "cuda")
 
     @property
     def lr(self) -> float:
@@ -104,7 +118,42 @@ class Configuration:
         return make_net(seed, self.experts, dtype)
 
 
-CONFIGURATIONS: list[Configuration] = [Configuration(name, name) for name in slimopt.available_optimizers()]
+# By name: the fused step's variants (storage formats one moment each, stochastic rounding,
+# Adafactor's relative step, the weights' RMS and momentum with every stored format, projected
+# whole second moments), and the Triton kernels' (elementwise formats and ternary).
+FUSED_INPUTS: dict[str, tuple[dict[str, Any], ...]] = {
+    "adamw": ({}, {"states": "bf16"}, {"states": "ternary/fp32"}, {"states": "int8/bf16"}),
+    "adamw8bit": ({}, {"param_rounding": "stochastic"}),
+    "adamw4bit": ({},),
+    "galore_adamw": ({"rank": 8},),
+    "galore_adamw8bit": ({"rank": 8},),
+    "adamw_ternary": ({},),
+    "galore_adamw_ternary": ({"rank": 8},),
+    "adafactor": (
+        {"lr": None},
+        {"states": "int8", "beta1": 0.9, "weight_decay": 0.1},
+        {"states": "int4", "beta1": 0.9, "scale_parameter": False},
+        {"states": "ternary", "beta1": 0.9},
+    ),
+    "galore_adafactor": (
+        {"rank": 8, "states": "int8"},
+        {"rank": 8, "states": "ternary", "beta1": 0.9, "lr": None},
+    ),
+}
+TRITON_INPUTS: dict[str, tuple[dict[str, Any], ...]] = {
+    "adamw": ({}, {"states": "bf16"}, {"states": "int8/bf16"}),
+    "adamw8bit": ({}, {"param_rounding": "stochastic"}),
+    "adamw4bit": ({},),
+    "galore_adamw8bit": ({"rank": 8},),
+    "adamw_ternary": ({}, {"param_rounding": "stochastic"}),
+}
+
+CONFIGURATIONS: list[Configuration] = [
+    Configuration(
+        name, name, fused_inputs=FUSED_INPUTS.get(name, ()), triton_inputs=TRITON_INPUTS.get(name, ())
+    )
+    for name in slimopt.available_optimizers()
+]
 CONFIGURATIONS.append(Configuration("galore_adamw8bit (experts)", "galore_adamw8bit", experts=True))
 CONFIGURATIONS.append(
     Configuration("galore_adamw (bf16 basis)", "galore_adamw", options={"basis_states": "bf16"})

@@ -17,6 +17,7 @@ from slimopt.codecs.draws import stream_seed
 from slimopt.core.fused import fused_moment
 from slimopt.rules import AdamWRule
 
+from .configurations import CONFIGURATIONS
 from .conftest import tiny_llama
 from .support import relative_error
 
@@ -48,30 +49,30 @@ def _distance(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
     return max(relative_error(a, b) for a, b in zip(ours, reference, strict=True))
 
 
-@pytest.mark.parametrize(
-    ("name", "options"),
-    [
-        ("adamw", {}),
-        ("adamw8bit", {}),
-        ("adamw4bit", {}),
-        ("galore_adamw", {"rank": 8}),
-        ("galore_adamw8bit", {"rank": 8}),
-        ("adamw_ternary", {}),
-        ("galore_adamw_ternary", {"rank": 8}),
-        ("adamw", {"states": "bf16"}),
-        ("adamw", {"states": "ternary/fp32"}),
-        ("adamw", {"states": "int8/bf16"}),
-        ("adamw8bit", {"param_rounding": "stochastic"}),
-        # Adafactor: relative step and weights' RMS (a step size on the device), factored raw
-        # statistics; momentum with every stored format; a projected whole second moment.
-        ("adafactor", {"lr": None}),
-        ("adafactor", {"states": "int8", "beta1": 0.9, "weight_decay": 0.1}),
-        ("adafactor", {"states": "int4", "beta1": 0.9, "scale_parameter": False}),
-        ("adafactor", {"states": "ternary", "beta1": 0.9}),
-        ("galore_adafactor", {"rank": 8, "states": "int8"}),
-        ("galore_adafactor", {"rank": 8, "states": "ternary", "beta1": 0.9, "lr": None}),
-    ],
-)
+def _inputs(kind: str) -> list:
+    """Every (registry name, options) of the configurations' ``kind`` variants, as parameters."""
+    return [
+        pytest.param(c.name, options, id=f"{c.name}-{index}")
+        for c in CONFIGURATIONS
+        if c.label == c.name
+        for index, options in enumerate(getattr(c, kind))
+    ]
+
+
+@pytest.mark.parametrize("configuration", [pytest.param(c, id=c.label) for c in CONFIGURATIONS])
+def test_fused_true_is_taken_exactly_where_the_table_says(configuration) -> None:
+    """``fused=True`` takes the fused step for every group of a configuration fused on the CPU,
+    and is refused at construction, naming why, for the others (torch's ``supports_fused_on``)."""
+    net = configuration.net()
+    if "cpu" in configuration.fused_on:
+        optimizer = configuration.build(net, fused=True)
+        assert optimizer.fused_path == ["fused"] * len(optimizer.param_groups)
+    else:
+        with pytest.raises(ValueError, match="has no fused step"):
+            configuration.build(net, fused=True)
+
+
+@pytest.mark.parametrize(("name", "options"), _inputs("fused_inputs"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_step_matches_the_reference_path(name, options, dtype) -> None:
     """Four steps of the test LLaMA. The fused loops may contract a multiply and an add into one
@@ -83,20 +84,7 @@ def test_fused_step_matches_the_reference_path(name, options, dtype) -> None:
     assert _distance(fused, reference) < (1e-5 if dtype == torch.float32 else 1e-4)
 
 
-@pytest.mark.parametrize(
-    ("name", "options"),
-    [
-        ("adamw", {}),
-        ("adamw8bit", {}),
-        ("adamw4bit", {}),
-        ("adamw", {"states": "bf16"}),
-        ("adamw", {"states": "int8/bf16"}),
-        ("galore_adamw8bit", {"rank": 8}),
-        ("adamw8bit", {"param_rounding": "stochastic"}),
-        ("adamw_ternary", {}),
-        ("adamw_ternary", {"param_rounding": "stochastic"}),
-    ],
-)
+@pytest.mark.parametrize(("name", "options"), _inputs("triton_inputs"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fused_backend", ["triton"], indirect=True)
 def test_triton_kernel_matches_the_reference_path(name, options, dtype, fused_backend) -> None:
