@@ -7,7 +7,9 @@ instead; docs/conformance.md lists them."""
 from __future__ import annotations
 
 import copy
+import gc
 import io
+import weakref
 
 import pytest
 import torch
@@ -423,3 +425,24 @@ def test_sparse_gradients_are_refused(configuration: Configuration) -> None:
     net.norm.weight.grad = net.norm.weight.grad.to_sparse()
     with pytest.raises(RuntimeError, match="does not support sparse gradients"):
         optimizer.step()
+
+
+@pytest.mark.parametrize("configuration", EVERY)
+def test_deleting_it_frees_its_state_at_once(configuration: Configuration) -> None:
+    """As a torch.optim optimizer's, its state goes as soon as the last reference does, not at
+    the next garbage collection: nothing in it refers back to it (on a GPU a cycle would hold
+    gigabytes of moments for nothing)."""
+    import torch._dynamo
+
+    net = configuration.net()
+    optimizer = configuration.build(net)
+    train(net, optimizer, range(2))
+    stored = [
+        weakref.ref(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
+    gc.disable()
+    try:
+        del optimizer
+        assert stored and all(ref() is None for ref in stored)
+    finally:
+        gc.enable()

@@ -15,6 +15,7 @@ gradients are this process's values (the local rows of an FSDP2 DTensor).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
@@ -35,7 +36,6 @@ from slimopt.core.tensors import as_matrix, real, values
 from slimopt.core.update import apply, apply_together, combined, decide
 from slimopt.finite import Decisions, all_finite
 from slimopt.projection import Basis, project
-from slimopt.rules import UpdateRule
 from slimopt.sharding import RowSharding, local_view, row_sharding, whole_norm
 
 # What ``watch`` accepts: the phases whose calls a probe is wrapped around.
@@ -43,13 +43,14 @@ PHASES = ("refresh", "update")
 
 
 class Engine:
-    """The engine of ``optimizer``, whose ``rule_of`` names each group's update rule; see the
-    module docstring. Its ``state`` and ``param_groups`` are read at every use (torch.optim's
-    ``load_state_dict`` replaces both)."""
+    """The engine of ``optimizer``, whose ``rule_of(group)`` names each group's update rule; see
+    the module docstring. Its ``state`` and ``param_groups`` are read at every use (torch.optim's
+    ``load_state_dict`` replaces both). The engine holds its optimizer weakly: no reference
+    cycle, so deleting an optimizer frees its state at once, not at the next garbage collection
+    (gigabytes of GPU memory)."""
 
-    def __init__(self, optimizer: Optimizer, rule_of: Callable[[dict[str, Any]], UpdateRule]) -> None:
-        self._optimizer = optimizer
-        self._rule_of = rule_of
+    def __init__(self, optimizer: Optimizer) -> None:
+        self._optimizer: Any = weakref.proxy(optimizer)
         self._owner = type(optimizer).__name__
         self._places: dict[Tensor, Place] | None = None
         self._given_places: Mapping[Tensor, Place] = {}
@@ -168,7 +169,7 @@ class Engine:
         self.replan()
 
     def _context(self) -> PlanContext:
-        return PlanContext(self._rule_of, self.sharding_of, self._place_of, self._fused_policy)
+        return PlanContext(self._optimizer.rule_of, self.sharding_of, self._place_of, self._fused_policy)
 
     def _place_of(self, param: Tensor) -> Place:
         return self.places()[param]

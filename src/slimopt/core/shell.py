@@ -78,7 +78,7 @@ class SlimoptOptimizer(Optimizer):
     def _start_engine(self) -> None:
         """The engine, and the layer-wise handle (None: stepping normally); a copy
         (``copy.deepcopy``, pickle) starts with new ones."""
-        self.engine = Engine(self, self.rule_of)
+        self.engine = Engine(self)
         self._layerwise: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
