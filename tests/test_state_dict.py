@@ -17,7 +17,7 @@ from slimopt import (
 )
 
 from .conftest import tiny_llama
-from .support import relative_error, train_language_model
+from .support import relative_error, step_on_gradients, train_language_model
 
 # Rank 64 of the tiny LLaMA's 64 keeps projected states above the size under which they stay fp32,
 # so compressed states are exercised; that rank saves no memory, which build_optimizer warns of.
@@ -98,14 +98,6 @@ def test_state_dict_holds_only_tensors_and_numbers() -> None:
                 assert value.dtype == torch.float32, key
 
 
-def _steps(params, optimizer, start, count):
-    for step in range(start, start + count):
-        for index, param in enumerate(params):
-            generator = torch.Generator().manual_seed(100 * step + index)
-            param.grad = torch.randn(param.shape, generator=generator)
-        optimizer.step()
-
-
 def _params(seed=0):
     torch.manual_seed(seed)
     return [torch.randn(256, 96, requires_grad=True), torch.randn(96, requires_grad=True)]
@@ -116,7 +108,7 @@ def test_a_torch_adamw_state_dict_continues_in_any_storage(states, tolerance) ->
     """Switching from torch.optim.AdamW mid-run: its moments and step counts carry over."""
     reference_params = _params()
     reference = torch.optim.AdamW(reference_params, lr=1e-2, weight_decay=0.1)
-    _steps(reference_params, reference, 0, 3)
+    step_on_gradients(reference_params, reference, range(3))
     saved = roundtrip(reference.state_dict())
     params = [p.detach().clone().requires_grad_() for p in reference_params]
     optimizer = GaLoreAdamW(params, lr=1.0, states=states)  # lr, betas, … come from the state dict
@@ -130,8 +122,8 @@ def test_a_torch_adamw_state_dict_continues_in_any_storage(states, tolerance) ->
     if states == "ternary":  # factored: the row and column means are what is kept
         second, expected = second.mean(1), expected.mean(1)
     assert relative_error(second, expected) < 0.02
-    _steps(reference_params, reference, 3, 4)
-    _steps(params, optimizer, 3, 4)
+    step_on_gradients(reference_params, reference, range(3, 7))
+    step_on_gradients(params, optimizer, range(3, 7))
     for ours, theirs in zip(params, reference_params, strict=True):
         assert relative_error(ours.detach(), theirs.detach()) < tolerance
 
@@ -141,7 +133,7 @@ def test_a_checkpoint_of_another_storage_format_is_reencoded() -> None:
     params = _params()
     groups = [{"params": params[:1], "rank": 64}, {"params": params[1:]}]
     fp32 = GaLoreAdamW(groups, lr=1e-2)
-    _steps(params, fp32, 0, 3)
+    step_on_gradients(params, fp32, range(3))
     saved = roundtrip(fp32.state_dict())
     copies = [p.detach().clone().requires_grad_() for p in params]
     int8 = GaLoreAdamW8bit(
@@ -153,8 +145,8 @@ def test_a_checkpoint_of_another_storage_format_is_reencoded() -> None:
     assert int8.param_groups[0]["states"] == "int8"
     expected = decoded_state(fp32, params[0])["exp_avg"]
     assert relative_error(decoded_state(int8, copies[0])["exp_avg"], expected) < 0.02
-    _steps(params, fp32, 3, 2)
-    _steps(copies, int8, 3, 2)
+    step_on_gradients(params, fp32, range(3, 5))
+    step_on_gradients(copies, int8, range(3, 5))
     assert relative_error(copies[0].detach(), params[0].detach()) < 1e-3
 
 
@@ -215,7 +207,7 @@ def test_moments_of_a_large_matrix_transplant_into_torch_adamw() -> None:
 def test_state_dicts_that_cannot_be_loaded_exactly_are_refused(make_saved, make_loader, message) -> None:
     params = _params()
     saved = make_saved(params)
-    _steps(params, saved, 0, 1)
+    step_on_gradients(params, saved, range(1))
     loader = make_loader([p.detach().clone().requires_grad_() for p in params])
     with pytest.raises(ValueError, match=message):
         loader.load_state_dict(roundtrip(saved.state_dict()))
@@ -226,7 +218,7 @@ def test_ternary_moments_of_the_element_order_layout_are_refused() -> None:
     decode to other values in today's layout: loading names it and the way to carry it over."""
     params = _params()
     saved = AdamWTernary(params, lr=1e-3)
-    _steps(params, saved, 0, 1)
+    step_on_gradients(params, saved, range(1))
     state_dict = roundtrip(saved.state_dict())
     state_dict["state"] = {
         param_id: {key.replace(".trits", ".codes"): value for key, value in state.items()}
@@ -323,7 +315,7 @@ def test_a_state_dict_with_more_param_groups_is_refused_as_torch_refuses_it() ->
     group silently and keep its state as a stray entry."""
     first, second = torch.randn(8, 8, requires_grad=True), torch.randn(8, requires_grad=True)
     saved = GaLoreAdamW([{"params": [first]}, {"params": [second]}], lr=1e-3)
-    _steps([first, second], saved, 0, 1)
+    step_on_gradients([first, second], saved, range(1))
     loader = GaLoreAdamW([first], lr=1e-3)
     with pytest.raises(ValueError, match="the state dict has 2 param groups, this optimizer 1"):
         loader.load_state_dict(roundtrip(saved.state_dict()))
@@ -341,7 +333,7 @@ def test_a_taco_state_dict_is_refused_by_adamw_at_load() -> None:
 
     weight = torch.randn(16, 16, requires_grad=True)
     saved = TACO([weight], lr=1e-3)
-    _steps([weight], saved, 0, 1)
+    step_on_gradients([weight], saved, range(1))
     loader = GaLoreAdamW([weight], lr=1e-3)
     with pytest.raises(ValueError, match=r"sketch_rows.*which AdamWRule does not keep.*another update rule"):
         loader.load_state_dict(roundtrip(saved.state_dict()))
@@ -352,7 +344,7 @@ def test_a_taco_state_dict_is_refused_by_adamw_at_load() -> None:
 def test_the_experts_layout_cannot_change_on_load(saved_experts) -> None:
     experts = torch.randn(3, 8, 8, requires_grad=True)
     saved = GaLoreAdamW([{"params": [experts], "rank": 2, "experts": saved_experts}], lr=1e-3)
-    _steps([experts], saved, 0, 1)
+    step_on_gradients([experts], saved, range(1))
     loader = GaLoreAdamW([{"params": [experts], "rank": 2, "experts": not saved_experts}], lr=1e-3)
     with pytest.raises(ValueError, match=f"saved with experts={saved_experts}, this optimizer has experts"):
         loader.load_state_dict(roundtrip(saved.state_dict()))
@@ -364,14 +356,14 @@ def test_a_tensor_step_as_torch_optim_keeps_it_loads_and_resumes_exactly() -> No
     then fail in ``manual_seed`` at the next stochastically rounded step."""
     params = _params()
     original = GaLoreAdamW(params, lr=1e-3, states="bf16")
-    _steps(params, original, 0, 2)
+    step_on_gradients(params, original, range(2))
     state_dict = roundtrip(original.state_dict())
     for state in state_dict["state"].values():
         state["step"] = torch.tensor(float(state["step"]))
     copies = [p.detach().clone().requires_grad_() for p in params]
     resumed = GaLoreAdamW(copies, lr=1e-3, states="bf16")
     resumed.load_state_dict(state_dict)
-    _steps(params, original, 2, 2)
-    _steps(copies, resumed, 2, 2)
+    step_on_gradients(params, original, range(2, 4))
+    step_on_gradients(copies, resumed, range(2, 4))
     for ours, theirs in zip(copies, params, strict=True):
         assert torch.equal(ours, theirs)
