@@ -32,14 +32,10 @@ OPTIMIZERS = ("torch_adamw", "adamw", "adamw8bit", "adamw_ternary", "adafactor")
 def one_row(model_name: str, name: str, fused: bool, steps: int) -> dict[str, float]:
     """The first step's seconds, the median of ``steps`` steady ones, and the bytes a steady
     step adds to the resident set at its peak, in this process (Linux)."""
-    from benchmarks.refresh_speed import llama_parameters
-    from benchmarks.state_storage import _Params
+    from benchmarks.state_storage import parameters_with_gradients
     from slimopt import build_optimizer
 
-    torch.manual_seed(0)
-    model = _Params(*llama_parameters(model_name, "cpu"))
-    for p in model.parameters():
-        p.grad = torch.randn_like(p) * 1e-3
+    model = parameters_with_gradients(model_name, "cpu")
     if name == "torch_adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     else:

@@ -44,6 +44,16 @@ class _Params(torch.nn.Module):
         self.rest = torch.nn.ParameterList([torch.nn.Parameter(p, requires_grad=True) for p in other])
 
 
+def parameters_with_gradients(model: str, device: str) -> torch.nn.Module:
+    """The projected matrices, embedding, head and norms of LLaMA preset ``model`` on ``device``,
+    seeded, each with a random gradient: what every row of this benchmark steps."""
+    torch.manual_seed(0)
+    module = _Params(*llama_parameters(model, device))
+    for p in module.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    return module
+
+
 def candidates(rank: int) -> dict[str, Callable[[torch.nn.Module], torch.optim.Optimizer]]:
     import bitsandbytes as bnb
     from torchao.optim import AdamW4bit, AdamW8bit
@@ -97,11 +107,8 @@ def main() -> None:
     for name, make in candidates(args.rank).items():
         if args.only and not any(text in name for text in args.only):
             continue
-        torch.manual_seed(0)
-        model = _Params(*llama_parameters(args.model, args.device))
+        model = parameters_with_gradients(args.model, args.device)
         count = sum(p.numel() for p in model.parameters())
-        for p in model.parameters():
-            p.grad = torch.randn_like(p) * 1e-3
         optimizer = make(model)
         optimizer.step()  # creates the state (and compiles, for torchao)
         # Fresh pages from the allocator explain much of the spread between runs on the CPU.
@@ -119,10 +126,7 @@ def interleaved(args: argparse.Namespace) -> None:
     for name, make in candidates(args.rank).items():
         if args.only and not any(text in name for text in args.only):
             continue
-        torch.manual_seed(0)
-        model = _Params(*llama_parameters(args.model, args.device))
-        for p in model.parameters():
-            p.grad = torch.randn_like(p) * 1e-3
+        model = parameters_with_gradients(args.model, args.device)
         optimizer = make(model)
         optimizer.step()  # creates the state (and compiles)
         optimizer.step()

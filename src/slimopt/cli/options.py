@@ -30,6 +30,13 @@ def read_weight_dtype(text: str) -> str:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+# The options some optimizer defaults otherwise than the table (APOLLO's projection, the storage
+# each class is named for).
+_OWN_DEFAULTS = {"states"} | {
+    key for spec in OPTIMIZERS.values() for key in (*spec.cls.projection_defaults, *dict(spec.options))
+}
+
+
 def _option_help(name: str) -> str:
     if name == "rank":
         return "GaLore rank (default: a quarter of the projected matrices' smaller side, r = n/4)"
@@ -42,13 +49,6 @@ def _option_help(name: str) -> str:
     if isinstance(default, bool):
         default = "on" if default else "off"
     return f"{option.help} (default {'none' if default is None else default})"
-
-
-# The options some optimizer defaults otherwise than the table (APOLLO's projection, the storage
-# each class is named for).
-_OWN_DEFAULTS = {"states"} | {
-    key for spec in OPTIMIZERS.values() for key in (*spec.cls.projection_defaults, *dict(spec.options))
-}
 
 
 def add_optimizer_flags(parser: argparse.ArgumentParser) -> None:

@@ -215,9 +215,7 @@ class Engine:
     def refreshed_basis(self, param: Tensor, group: dict[str, Any], grad: Tensor) -> Basis | None:
         """The basis of a projected ``param`` for this step, refreshed from ``grad`` first when
         its refresh is due (None: no basis could be computed yet)."""
-        update = self._update(param, group, grad)
-        self._refresh(update)
-        return stored_basis.basis(update.plan, update.state)
+        return self._refreshed_basis(self._update(param, group, grad))
 
     def gradient_in_space(
         self, param: Tensor, group: dict[str, Any], grad: Tensor
@@ -259,11 +257,12 @@ class Engine:
         units.start(plan, state, self._owner)
         return Update(plan, unit, state, grad, None)
 
-    def _refresh(self, update: Update) -> None:
-        """Refresh ``update``'s basis from its gradient when the refresh is due: the one place a
-        basis is refreshed."""
+    def _refreshed_basis(self, update: Update) -> Basis | None:
+        """``update``'s basis, refreshed from its gradient first when the refresh is due (the one
+        place a basis is refreshed); None when none could be computed yet."""
         probe = partial(self._probe, "refresh")
         refresh_when_due(update.plan, update.state, update.grad, self.refresh_group, probe)
+        return stored_basis.basis(update.plan, update.state)
 
     def _into_space(self, update: Update) -> bool:
         """Put ``update``'s gradient into the space the rule sees (``gradient_in_space``); False
@@ -273,8 +272,7 @@ class Engine:
         if not update.plan.projected:
             update.grad = real(update.grad)
             return True
-        self._refresh(update)
-        basis = stored_basis.basis(update.plan, update.state)
+        basis = self._refreshed_basis(update)
         if basis is None:
             # Not a non-finite gradient (an all-zero one, an expert no token reached): warned
             # about, not counted in nonfinite_skips.

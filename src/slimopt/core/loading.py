@@ -261,6 +261,7 @@ def drop_corrections(optimizer: Optimizer) -> None:
 def restore_storage(optimizer: Optimizer, storage: list[dict[str, Any]]) -> None:
     """Re-encode the loaded moments and bases of each group whose storage differs from
     ``storage`` (the loading optimizer's own choice per group), and adopt that storage."""
+    engine = optimizer.engine
     for group, wanted in zip(optimizer.param_groups, storage, strict=True):
         if all(group[key] == wanted[key] for key in STORAGE_KEYS):
             continue
@@ -268,20 +269,19 @@ def restore_storage(optimizer: Optimizer, storage: list[dict[str, Any]]) -> None
         for param in group["params"]:
             if param not in optimizer.state:
                 continue
-            engine = optimizer.engine
             for unit in engine.units(param, group):  # the parameter, or each of its experts
                 basis = engine.basis(unit, group) if engine.projects(unit, group) else None
                 contents.append((unit, optimizer.decoded_state(unit), basis))
         group.update(wanted)
         for unit, moments, basis in contents:
-            state = optimizer.engine.state_of(unit)
+            state = engine.state_of(unit)
             # Moments and bases are stored anew; APOLLO's limiter norm and a weight correction stay.
             for key in [k for k, v in state.items() if isinstance(v, Tensor) and k not in KEPT]:
                 del state[key]
             if moments:
-                optimizer.engine.store_moments(unit, moments)
+                engine.store_moments(unit, moments)
             if basis is not None:
-                optimizer.engine.store_basis(unit, basis)
+                engine.store_basis(unit, basis)
 
 
 def load_state_dict(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:

@@ -186,7 +186,7 @@ def _encode_in_phases(deferred: tuple[Deferred, ...], keep: Tensor | None) -> No
 
 
 def triton_step_of(storages: tuple[Storage, ...]) -> Callable[..., Tensor | None] | None:
-    """The hand-written Triton step (``adamw_step``'s arguments) that covers moments stored as
+    """The hand-written Triton step (``adamw.adamw_step``'s arguments) that covers moments stored as
     ``storages``, or None: ``triton_adamw``'s for elementwise formats (blocks of one even size
     where both are blockwise), ``triton_ternary``'s for a ternary first moment with row and
     column scales beside a factored second moment."""

@@ -42,8 +42,8 @@ class FusedPolicy:
     non-finite decision stays on the device as a flag instead of being read by the host
     (``flags``: CUDA; on the CPU reading a flag waits for nothing, while masking every write
     with it costs: docs/results/storage.md, the masked and the read-first int8 step). Each
-    optimizer's engine owns one (the tests give the CPU CUDA's choices
-    to run the Triton kernels in Triton's interpreter)."""
+    optimizer's engine owns one (the tests give the CPU CUDA's choices to run the Triton kernels
+    in Triton's interpreter)."""
 
     def __init__(
         self,
