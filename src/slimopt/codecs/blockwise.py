@@ -83,8 +83,9 @@ def quantize(blocks: Tensor, storage: Storage, tables: tuple[Tensor, ...]) -> tu
     """The codes (uint8; two 4-bit codes to a byte) and the fp32 absmax of the fp32 ``blocks``
     (blocks × block size), by the map and the nearest-code table of ``tables``."""
     absmax = blocks.abs().amax(dim=1).clamp_(max=FLOAT32_MAX)
-    normalized = (blocks / torch.where(absmax > 0, absmax, 1.0).unsqueeze(1)).reshape(-1)
-    codes = nearest_codes(normalized, tables[1]).to(torch.uint8)
+    # Passed on unnamed: ``nearest_codes`` frees it as soon as it has read it.
+    codes = nearest_codes((blocks / torch.where(absmax > 0, absmax, 1.0).unsqueeze(1)).reshape(-1), tables[1])
+    codes = codes.to(torch.uint8)
     if storage.bits == 4:
         codes = codes[0::2] | (codes[1::2] << 4)
     return codes, absmax
@@ -106,15 +107,18 @@ def blocks_of(flat: Tensor, block_size: int) -> Tensor:
 
 
 def nearest_codes(normalized: Tensor, table: Tensor) -> Tensor:
-    """The int32 codes of the flat fp32 ``normalized`` by ``table`` (``_nearest_table``), which
-    overwrites ``normalized`` (its memory holds the keys: one temporary of its size at a time).
-    Integer arithmetic on the bits, so that a compiled loop keeps it in vectors."""
+    """The int32 codes of the flat fp32 ``normalized`` by ``table`` (``_nearest_table``).
+    Integer arithmetic on the bits, so that a compiled loop keeps it in vectors.
+    ``normalized`` is only read (compiled loops that write into an intermediate of the step
+    ran twice as long: docs/results/storage.md), and freed once read when the caller holds no
+    other name of it: eagerly, two temporaries of its size at a time besides the lookup."""
     bits = normalized.view(torch.int32)
     # index_select takes the int32 buckets as they are (indexing would convert them to int64).
     entry = table.index_select(0, bits.bitwise_right_shift(LOOKUP_SHIFT).bitwise_and_(LOOKUP_MASK))
-    _to_keys(bits)
-    bits.gt_(entry.bitwise_and(THRESHOLD_MASK))  # past the midpoint: 1
-    return entry.bitwise_right_shift_(KEY_BITS).add_(bits)
+    keys = _to_keys_(bits.bitwise_right_shift(31), bits)
+    del normalized, bits
+    keys.gt_(entry.bitwise_and(THRESHOLD_MASK))  # past the midpoint: 1
+    return entry.bitwise_right_shift_(KEY_BITS).add_(keys)
 
 
 def _nearest_table(midpoints: Tensor, floor: int | None) -> Tensor:
@@ -137,7 +141,8 @@ def _nearest_table(midpoints: Tensor, floor: int | None) -> Tensor:
     # After the last midpoint +inf: a value in the top bucket never moves past the last code.
     after = torch.cat([midpoints, midpoints.new_full((1,), torch.inf)])[first]
     inside = after <= high
-    threshold = torch.where(inside, _to_keys(after.view(torch.int32)), KEY_MASK)
+    after_bits = after.view(torch.int32)
+    threshold = torch.where(inside, _to_keys_(after_bits.bitwise_right_shift(31), after_bits), KEY_MASK)
     if floor is not None:
         positive = (ids < 1 << 31) & (first == floor)
         threshold = torch.where(positive, torch.where(ids == 0, 0, KEY_MASK), threshold)
@@ -145,8 +150,8 @@ def _nearest_table(midpoints: Tensor, floor: int | None) -> Tensor:
     return (first << KEY_BITS | threshold).int()
 
 
-def _to_keys(bits: Tensor) -> Tensor:
-    """Overwrite the int32 ``bits`` of fp32 numbers with their keys, their positions within
-    their buckets ascending with the value: the low bits, reversed for negative numbers (all
-    ones from the sign shift). Returns ``bits``."""
-    return bits.bitwise_xor_(bits.bitwise_right_shift(31)).bitwise_and_(KEY_MASK)
+def _to_keys_(signs: Tensor, bits: Tensor) -> Tensor:
+    """Overwrite ``signs`` (``bits`` shifted right by 31: all ones for negative numbers) with the
+    keys of the fp32 numbers of int32 ``bits``, their positions within their buckets ascending
+    with the value: the low bits, reversed for negative numbers. Returns ``signs``."""
+    return signs.bitwise_xor_(bits).bitwise_and_(KEY_MASK)
