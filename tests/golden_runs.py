@@ -6,8 +6,12 @@ rounding, an int8 basis), each trained three seeded steps and then two more.
 dict entry and parameter (key, dtype, shape, SHA-256 of the bytes) after steps 3 and 5, and the
 step-3 checkpoints themselves (``torch.save`` files, and DCP directories for two layouts), with
 the digests of those checkpoints loaded and continued for two steps. Every run happens in a
-process whose CPU kernels are pinned (``PINNED_ENVIRONMENT``), so the bits are the same on any
-x86-64 machine. Regenerate only when a change of numbers is intended, and say why in the commit:
+process whose CPU kernels are pinned (``PINNED_ENVIRONMENT``). Pinned, the bits are the same on
+most x86-64 machines but not all (an AMD EPYC computes other fp32 bits than the machine the
+digests were first written on, in every run with fp32 AdamW moments, at the very commit that
+wrote them): the manifest keeps one set of digests per kind of machine, and a machine is compared
+with the set whose plain ``adamw`` run it reproduces (``expected_runs``). Regenerate only when a
+change of numbers is intended, and say why in the commit:
 
     .venv/bin/python -m tests.golden_runs
 
@@ -18,6 +22,12 @@ again and keeps the checkpoint files (which stand for the formats of the code th
     .venv/bin/python -m tests.golden_runs --paths
     .venv/bin/python -m tests.golden_runs --new-runs
     .venv/bin/python -m tests.golden_runs --numbers
+
+On a kind of machine whose bits no set holds yet, ``--this-machine`` adds its own set; run it only
+at a commit that passes on a machine already recorded (check the code out there, then add the set
+to today's manifest), so that both sets stand for the same code:
+
+    .venv/bin/python -m tests.golden_runs --this-machine
 """
 
 from __future__ import annotations
@@ -67,6 +77,8 @@ PINNED_ENVIRONMENT = {
 }
 # The digests the manifest keeps for each run; the tests compare more results with "continued".
 KEPT = ("first", "more", "loaded", "continued")
+# The run that tells which machine's set of digests applies (``expected_runs``).
+CANARY = "adamw"
 
 
 class Wide(nn.Module):
@@ -339,9 +351,46 @@ def add_new_runs() -> None:
 
 def write_numbers() -> None:
     """Write every run's digests again at the code and torch as they are, keeping the checkpoint
-    files (for a change of torch or of the pinned environment, not of the code's numbers)."""
+    files (for a change of torch or of the pinned environment, not of the code's numbers). The
+    other machines' sets are dropped: they stand for the numbers before."""
     manifest = json.loads(MANIFEST.read_text())
+    manifest.pop("other machines", None)
     _write_runs(manifest, [])
+
+
+def add_this_machine() -> None:
+    """Add this machine's digests as a set of their own (``expected_runs``), keeping the
+    checkpoint files and every set written before; refused where a set holds its bits already."""
+    manifest = json.loads(MANIFEST.read_text())
+    with one_thread():
+        found = {run.label: _results_of(run) for run in RUNS}
+    if expected_runs(manifest, found, strict=True) is not None:
+        sys.exit("the manifest holds this machine's bits already: nothing to add")
+    manifest.setdefault("other machines", []).append({"written on": _processor(), "runs": _kept(found)})
+    MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+def expected_runs(
+    manifest: dict[str, Any], found: dict[str, dict[str, Any]], strict: bool = False
+) -> dict[str, Any] | None:
+    """The set of digests (run label → digests) this machine is compared with: the one whose
+    ``adamw`` run's first digests are the ones ``found`` holds. A change of the code's numbers
+    matches no set, and is compared with the first one written (``strict``: None instead)."""
+    sets = [manifest["runs"], *(other["runs"] for other in manifest.get("other machines", []))]
+    matching = [runs for runs in sets if runs[CANARY]["first"] == found[CANARY]["first"]]
+    if matching:
+        return matching[0]
+    return None if strict else manifest["runs"]
+
+
+def _processor() -> str:
+    """The processor's model name (Linux), for the reader of the manifest."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.machine()
 
 
 def _write_runs(manifest: dict[str, Any], runs: list[GoldenRun]) -> None:
@@ -359,11 +408,16 @@ def _write_runs(manifest: dict[str, Any], runs: list[GoldenRun]) -> None:
     manifest["torch"] = torch.__version__
     manifest["machine"] = platform.machine()
     manifest["environment"] = PINNED_ENVIRONMENT
-    manifest["runs"] = {
+    manifest["runs"] = _kept(found)
+    MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+def _kept(found: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The digests the manifest keeps of every run's results."""
+    return {
         label: {key: value for key, value in digests.items() if key in KEPT}
         for label, digests in found.items()
     }
-    MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
 def add_documented_paths() -> None:
@@ -386,6 +440,7 @@ COMMANDS = {
     "--paths": add_documented_paths,
     "--new-runs": add_new_runs,
     "--numbers": write_numbers,
+    "--this-machine": add_this_machine,
     "--results": _print_results,
 }
 
@@ -401,7 +456,7 @@ def _run_pinned(arguments: list[str]) -> None:
 if __name__ == "__main__":
     if " ".join(sys.argv[1:]) not in COMMANDS:
         sys.exit(
-            "usage: python -m tests.golden_runs [--paths | --new-runs | --numbers] "
+            "usage: python -m tests.golden_runs [--paths | --new-runs | --numbers | --this-machine] "
             "(no argument: regenerate all runs)"
         )
     _run_pinned(sys.argv[1:])
