@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from slimopt.codecs import moment_codec, ternary
+from slimopt.codecs import moment_codec, slicing, ternary
 from slimopt.codecs.maps import dynamic_map, linear_map_without_zero
 
 SHAPE = torch.Size((96, 160))
@@ -202,7 +204,7 @@ def ema_through_ternary(round_to_nearest: bool, monkeypatch: pytest.MonkeyPatch)
     moved = torch.zeros(SHAPE, dtype=torch.bool)
     with monkeypatch.context() as patch:
         if round_to_nearest:  # every draw is 0.5: a value rounds away from 0 iff |x| > s/2
-            patch.setattr(ternary, "uniform", lambda seed, count: torch.full((count,), 0.5))
+            patch.setattr(ternary, "uniform", lambda seed, count, start=0: torch.full((count,), 0.5))
         for _ in range(200):
             moment = codec.decode(codec.encode(0.99 * moment + 0.01 * target, generator), SHAPE)
             exact = 0.99 * exact + 0.01 * target
@@ -241,3 +243,33 @@ def test_ternary_bytes_and_blocks_run_down_columns() -> None:
         exponents[row // 8][(values[row : row + 8] == 0).all(dim=0)] = 255  # a block of zeros
     exponents[1, 3] = 4  # 0.5 = 2^(-4/4)
     assert torch.equal(stored["exponents"].view(-1, cols), exponents)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    states=st.sampled_from(["int8", "int4", "ternary"]),
+    kind=st.sampled_from(["linear", "square"]),
+    rows=st.integers(1, 1300),
+    cols=st.integers(200, 700),
+    seed=st.integers(0, 2**16),
+)
+def test_a_moment_encoded_in_pieces_is_the_one_encoded_whole(states, kind, rows, cols, seed) -> None:
+    """On the CPU a codec goes through a large moment in pieces (``slicing.pieces``), on a GPU
+    in one: the stored parts, the draws taken from the generator and the decoded values are
+    the same bits either way (up to 1300 × 700: several pieces, a short last one)."""
+    shape = torch.Size((rows, cols))
+    value = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    value = value.square() if kind == "square" else value
+    codec = moment_codec(states, kind, shape)
+
+    def round_trip() -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        stored = codec.encode(value, generator)
+        return stored, codec.decode(stored, shape), generator.get_state()
+
+    in_pieces = round_trip()
+    with slicing.as_on_a_gpu():
+        whole = round_trip()
+    assert in_pieces[0].keys() == whole[0].keys()
+    assert all(torch.equal(in_pieces[0][part], whole[0][part]) for part in whole[0])
+    assert torch.equal(in_pieces[1], whole[1]) and torch.equal(in_pieces[2], whole[2])

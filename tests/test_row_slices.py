@@ -65,8 +65,9 @@ def test_sliced_int8_equals_the_whole_matrix_when_blocks_align(small_slices, mon
 
 def test_sliced_update_keeps_temporaries_to_a_slice(monkeypatch) -> None:
     """One step of a 2048×2048 matrix with int8 states: the whole-matrix update holds several
-    fp32 temporaries of the matrix's size (gradient copy, two decoded moments, direction,
-    quantization scratch); by slices of 2^18 elements they are that many slices instead."""
+    fp32 temporaries of the matrix's size (gradient copy, two decoded moments, direction; the
+    codec's scratch comes in pieces of its own); by slices of 2^18 elements they are that many
+    slices instead."""
 
     def update_workspace(slice_numel: int) -> int:
         monkeypatch.setattr(slicing, "SLICE_NUMEL", slice_numel)
@@ -83,7 +84,7 @@ def test_sliced_update_keeps_temporaries_to_a_slice(monkeypatch) -> None:
     whole, sliced = update_workspace(1 << 30), update_workspace(1 << 18)
     row_storage.row_sliced_storage.cache_clear()
     matrix_bytes, slice_bytes = 2048 * 2048 * 4, (1 << 18) * 4
-    assert whole > 4 * matrix_bytes
+    assert whole > 3 * matrix_bytes
     assert sliced < 8 * slice_bytes and sliced < whole / 10
 
 

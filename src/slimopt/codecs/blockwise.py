@@ -27,6 +27,7 @@ from torch import Tensor
 
 from slimopt.checks import FLOAT32_MAX
 from slimopt.codecs.base import Storage
+from slimopt.codecs.slicing import pieces
 from slimopt.memory import untracked
 
 # The lookup's bucket of an fp32 number: its bits shifted right, keeping 17 bits; its key
@@ -68,15 +69,39 @@ class BlockwiseCodec:
 
     def encode(self, value: Tensor, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         flat, size = value.reshape(-1).float(), self.block_size
-        # A whole number of blocks is viewed, not padded: no copy of a large moment.
-        blocks = blocks_of(flat, size) if flat.numel() % size else flat.view(-1, size)
-        codes, absmax = quantize(blocks, self.storage, self.tables(value.device))
+        blocks = -(-flat.numel() // size)
+        parts = pieces(blocks, size, 1, value.device)
+        if len(parts) == 1:  # the codes are quantize's own, not a copy of them
+            codes, absmax = self._quantized(flat, parts[0])
+            return {"codes": codes, "absmax": absmax}
+        codes = torch.empty(blocks * size * self.bits // 8, dtype=torch.uint8, device=value.device)
+        absmax = torch.empty(blocks, device=value.device)
+        per_byte = 8 // self.bits
+        for piece in parts:
+            own = slice(piece.start * size // per_byte, piece.stop * size // per_byte)
+            codes[own], absmax[piece] = self._quantized(flat, piece)
         return {"codes": codes, "absmax": absmax}
 
+    def _quantized(self, flat: Tensor, piece: slice) -> tuple[Tensor, Tensor]:
+        """The codes and absmax of blocks ``piece`` of ``flat``; its temporaries die here."""
+        size = self.block_size
+        values = flat[piece.start * size : piece.stop * size]
+        # A whole number of blocks is viewed, not padded: no copy of a large moment.
+        blocks = blocks_of(values, size) if values.numel() % size else values.view(-1, size)
+        return quantize(blocks, self.storage, self.tables(flat.device))
+
     def decode(self, stored: Mapping[str, Tensor], shape: torch.Size) -> Tensor:
-        codes = stored["codes"]
-        blocks = dequantize(codes, stored["absmax"], self.storage, self.tables(codes.device))
-        return blocks.reshape(-1)[: shape.numel()].view(shape)
+        codes, absmax = stored["codes"], stored["absmax"]
+        size, per_byte = self.block_size, 8 // self.bits
+        # Padded to whole blocks, each piece decoded into its place; the padding is cut off.
+        value = torch.empty(absmax.numel() * size, device=codes.device)
+        tables = self.tables(codes.device)
+        for piece in pieces(absmax.numel(), size, 1, codes.device):
+            own = codes[piece.start * size // per_byte : piece.stop * size // per_byte]
+            dequantize(
+                own, absmax[piece], self.storage, tables, out=value[piece.start * size : piece.stop * size]
+            )
+        return value[: shape.numel()].view(shape)
 
 
 def quantize(blocks: Tensor, storage: Storage, tables: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
@@ -91,14 +116,16 @@ def quantize(blocks: Tensor, storage: Storage, tables: tuple[Tensor, ...]) -> tu
     return codes, absmax
 
 
-def dequantize(codes: Tensor, absmax: Tensor, storage: Storage, tables: tuple[Tensor, ...]) -> Tensor:
+def dequantize(
+    codes: Tensor, absmax: Tensor, storage: Storage, tables: tuple[Tensor, ...], out: Tensor | None = None
+) -> Tensor:
     """The fp32 blocks (blocks × block size, padding included) that ``codes`` and ``absmax``
-    stand for."""
+    stand for; written into the flat ``out`` when given (of their size)."""
     if storage.bits == 4:
         codes = torch.stack([codes & 15, codes >> 4], dim=1).reshape(-1)
     # int32 indices: half the memory traffic of the int64 ones plain indexing makes.
-    values = tables[0].index_select(0, codes.reshape(-1).int())
-    return values.view(-1, storage.block_size) * absmax.unsqueeze(1)
+    values = torch.index_select(tables[0], 0, codes.reshape(-1).int(), out=out)
+    return values.view(-1, storage.block_size).mul_(absmax.unsqueeze(1))
 
 
 def blocks_of(flat: Tensor, block_size: int) -> Tensor:

@@ -31,11 +31,12 @@ def stream_seed(generator: torch.Generator | None, device: torch.device) -> Tens
     return seed.to(device, non_blocking=True)
 
 
-def draw_indices(count: int, device: torch.device) -> Tensor:
-    """Draw indices 0 … count−1 as int32 (wrapping past 2³¹: a stream repeats after 2³² draws)."""
-    if count <= INT32_LIMIT:
-        return torch.arange(count, device=device, dtype=torch.int32)
-    return torch.arange(count, device=device, dtype=torch.int64).to(torch.int32)
+def draw_indices(count: int, device: torch.device, start: int = 0) -> Tensor:
+    """Draw indices start … start+count−1 as int32 (wrapping past 2³¹: a stream repeats after
+    2³² draws)."""
+    if start + count <= INT32_LIMIT:
+        return torch.arange(start, start + count, device=device, dtype=torch.int32)
+    return torch.arange(start, start + count, device=device, dtype=torch.int64).to(torch.int32)
 
 
 def random_words(seed: Tensor, indices: Tensor) -> Tensor:
@@ -54,9 +55,9 @@ def uniform_from_words(words: Tensor) -> Tensor:
     return words.bitwise_right_shift(8).bitwise_and_(0xFFFFFF).float().mul_(2.0**-24)
 
 
-def uniform(seed: Tensor, count: int) -> Tensor:
-    """The first ``count`` draws of stream ``seed`` as fp32 values in [0, 1)."""
-    return uniform_from_words(random_words(seed, draw_indices(count, seed.device)))
+def uniform(seed: Tensor, count: int, start: int = 0) -> Tensor:
+    """Draws ``start`` … ``start + count − 1`` of stream ``seed`` as fp32 values in [0, 1)."""
+    return uniform_from_words(random_words(seed, draw_indices(count, seed.device, start)))
 
 
 def floor_stochastically_(values: Tensor, generator: torch.Generator | None) -> Tensor:

@@ -4,11 +4,18 @@ updated and stored by (``slimopt.codecs.rows``), and the size under which moment
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
 # Matrices with more elements than this are updated (and stored) in slices of rows this big.
 SLICE_NUMEL = 1 << 22
+# Eager encodes and decodes on the CPU go through a moment in pieces of about this many elements
+# (512 KiB of fp32), so that their temporaries stay in the core's cache and come from memory the
+# allocator holds already instead of fresh pages (docs/results/storage.md).
+PIECE_NUMEL = 1 << 17
 # Moments (and slices of them) with fewer elements than this are stored fp32 in every format
 # (``slimopt.codecs.moment_codec``): compressing them would save little and cost precision.
 MIN_COMPRESSED_NUMEL = 4096
@@ -40,6 +47,32 @@ def row_slices(rows: int, cols: int) -> list[slice]:
         slice(start, rows if index == len(starts) - 1 else starts[index + 1])
         for index, start in enumerate(starts)
     ]
+
+
+def pieces(count: int, numel_each: int, multiple: int, device: torch.device) -> list[slice]:
+    """The consecutive ranges of ``count`` units (blocks, rows) of ``numel_each`` elements each
+    that an eager codec works through one after another, each a multiple of ``multiple`` units
+    (but the last). On the CPU about ``PIECE_NUMEL`` elements each; elsewhere, and within
+    ``as_on_a_gpu``, one range (on a GPU a launch per piece would cost more than the cache
+    saves)."""
+    if device.type != "cpu" or _AS_ON_A_GPU.get():
+        return [slice(0, count)]
+    step = max(multiple, PIECE_NUMEL // max(numel_each, 1) // multiple * multiple)
+    return [slice(start, min(start + step, count)) for start in range(0, count, step)]
+
+
+_AS_ON_A_GPU: ContextVar[bool] = ContextVar("as_on_a_gpu", default=False)
+
+
+@contextmanager
+def as_on_a_gpu() -> Iterator[None]:
+    """Within, codecs go through a moment in one piece on the CPU too, as on a GPU: the memory
+    planner plans a GPU's step, and measures it so on the CPU to check the plan."""
+    token = _AS_ON_A_GPU.set(True)
+    try:
+        yield
+    finally:
+        _AS_ON_A_GPU.reset(token)
 
 
 def slices_to_update(rows: int, cols: int, *, meta: bool) -> list[tuple[int, slice]]:

@@ -99,7 +99,7 @@ def write_exponents(value: Tensor, parts: dict[str, Tensor], storage: Storage, k
     """Pass 2: each block's exponent; returned, the blocks' scales, so that pass 3 reads them
     rather than compute ``exp2`` for every element."""
     normalized = ternary.normalized_by_lines(value, parts.get("row"), parts.get("col"))
-    exponents, scales = ternary.block_exponents(normalized, storage.block_size)
+    exponents, scales = ternary.block_exponents(ternary.on_grid(normalized), storage.block_size)
     store(parts["exponents"], exponents, keep)
     return scales
 
@@ -113,5 +113,5 @@ def write_trits(
     keep: Tensor | None,
 ) -> None:
     """Pass 3: the digits, stochastically rounded with draws of stream ``seed``."""
-    normalized = ternary.normalized_by_lines(value, parts.get("row"), parts.get("col"))
+    normalized = ternary.on_grid(ternary.normalized_by_lines(value, parts.get("row"), parts.get("col")))
     store(parts["trits"], ternary.packed_trits(normalized, scales, storage.block_size, seed), keep)

@@ -86,6 +86,9 @@ def measure_memory(model: str, optimizer: str, *, device: str = "cpu", **setting
     """Run the planner's two steps for real on ``device`` and report what they used.
 
     Same arguments as :func:`plan_memory`. On CUDA ``cuda_max_memory_allocated`` holds the
-    allocator's own peak over the same steps.
+    allocator's own peak over the same steps. On the CPU the state codecs run as on a GPU, in
+    one piece per moment (``slimopt.codecs.slicing.as_on_a_gpu``), so that the measurement
+    checks the GPU's plan; a CPU training step goes through them in smaller pieces, and peaks
+    lower.
     """
     return plan_memory(model, optimizer, device=device, **settings)

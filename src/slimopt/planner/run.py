@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from slimopt.codecs.slicing import as_on_a_gpu
 from slimopt.core.state import is_basis_key
 from slimopt.layerwise import layerwise
 from slimopt.memory import LiveBytes, storage_nbytes, storages
@@ -60,7 +61,7 @@ def run(setting: PlanSetting, device: torch.device, progress: bool = False) -> M
     step_peaks = []
     # One unit per micro-batch's forward and backward, and one per optimizer step.
     bar = _progress_bar(progress, STEPS * (k + 1), "measuring" if device.type != "meta" else "planning")
-    with tracker, MetaRun(device):
+    with tracker, MetaRun(device), as_on_a_gpu():
         for step in range(1, STEPS + 1):
             position["step"] = step
             for _ in range(k):
