@@ -131,7 +131,7 @@ def round_to_nearest() -> Iterator[None]:
     """Ternary encoding rounds to the nearest of -s, 0, +s while this is open: an element becomes
     sign(x)·s when its draw, fixed at 0.5 here, is below |x|/s (the reference path only: the
     variants pass ``fused=False``)."""
-    with mock.patch.object(ternary, "uniform", lambda seed, count: torch.full((count,), 0.5)):
+    with mock.patch.object(ternary, "uniform", lambda seed, count, start=0: torch.full((count,), 0.5)):
         yield
 
 
