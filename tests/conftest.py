@@ -4,6 +4,7 @@ workspace, and fresh processes for multi-process tests."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -146,6 +147,19 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def _exit_after(rank: int, worker: Callable[..., None], *args: Any) -> None:
+    """``worker(rank, *args)``, then the process ends without Python's shutdown. A gloo worker
+    thread that drops the last reference to a collective's tensor needs the GIL for it; when
+    that happens during shutdown (the process exits a few milliseconds after its last
+    collective), torch's thread is killed inside a destructor and the process aborts ("terminate
+    called without an active exception") after its work is done and saved. A failing worker
+    raises as before."""
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_ranks(worker: Callable[..., None], args: tuple, world: int, out: Path, timeout: float) -> list[dict]:
     """Run ``worker(rank, *args)`` in ``world`` fresh (spawned) processes, each saving its result
     as ``out/rank<N>.pt`` or its traceback as ``out/rank<N>.error``; their results, by rank.
@@ -153,7 +167,9 @@ def run_ranks(worker: Callable[..., None], args: tuple, world: int, out: Path, t
     process outlives it."""
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
+    context = mp.start_processes(
+        _exit_after, args=(worker, *args), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=5):
