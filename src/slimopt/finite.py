@@ -28,12 +28,14 @@ def finite_flags(grads: list[Tensor], groups: list[Any]) -> list[Tensor | None]:
     ``groups`` entry when that is not None (the shards of one parameter). None: nothing to
     decide (a meta, sparse or empty gradient that no other process shares)."""
     flags: list[Tensor | None] = [None] * len(grads)
-    kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    kinds: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[Tensor]]] = {}
     for index, grad in enumerate(grads):
         if not grad.is_meta and not grad.is_sparse and grad.numel():
-            kinds.setdefault((grad.device, grad.dtype), []).append(index)
-    for indices in kinds.values():
-        vector = _finite([grads[i] for i in indices])
+            indices, tensors = kinds.setdefault((grad.device, grad.dtype), ([], []))
+            indices.append(index)
+            tensors.append(grad)
+    for indices, tensors in kinds.values():
+        vector = _finite(tensors)
         for position, index in enumerate(indices):
             flags[index] = vector[position]
     shared: dict[Any, list[int]] = {}
@@ -65,21 +67,31 @@ def _finite(tensors: list[Tensor]) -> Tensor:
     per-tensor loop, several times slower than ``aminmax`` (docs/results/storage.md)."""
     if tensors[0].device.type == "cuda":
         return torch.stack(torch._foreach_norm(tensors, ord=math.inf)).isfinite()
-    extremes = torch.stack([value for tensor in tensors for value in torch.aminmax(tensor)])
-    return extremes.isfinite().view(-1, 2).all(dim=1)
+    extremes: list[Tensor] = []
+    for tensor in tensors:
+        extremes += torch.aminmax(tensor)
+    return torch.stack(extremes).isfinite().view(-1, 2).all(dim=1)
 
 
-def read(flags: list[Tensor | None]) -> list[bool]:
-    """The flags on the host (None reads as True), in one read per device."""
-    values = [True] * len(flags)
-    by_device: dict[torch.device, list[int]] = {}
+def decisions(flags: list[Tensor | None], on_device: list[bool]) -> list[bool | Tensor]:
+    """Each flag as a decision: where ``on_device`` says so the flag itself, left on its device,
+    else its value read on the host, in one read per device. A None flag (nothing to decide)
+    reads as True."""
+    decided: list[bool | Tensor] = [True] * len(flags)
+    by_device: dict[torch.device, tuple[list[int], list[Tensor]]] = {}
     for index, flag in enumerate(flags):
-        if flag is not None:
-            by_device.setdefault(flag.device, []).append(index)
-    for indices in by_device.values():
-        for index, value in zip(indices, torch.stack([flags[i] for i in indices]).tolist(), strict=True):
-            values[index] = bool(value)
-    return values
+        if flag is None:
+            continue
+        if on_device[index]:
+            decided[index] = flag
+        else:
+            indices, read = by_device.setdefault(flag.device, ([], []))
+            indices.append(index)
+            read.append(flag)
+    for indices, read in by_device.values():
+        for index, value in zip(indices, torch.stack(read).tolist(), strict=True):
+            decided[index] = bool(value)
+    return decided
 
 
 class Decisions:
@@ -89,10 +101,12 @@ class Decisions:
     def __init__(self) -> None:
         self._pending: list[tuple[Any, Tensor]] = []
         self._copies: list[tuple[list[Any], Tensor, Any]] = []
+        self.waiting = False  # whether any recorded flag is still to be read
 
     def record(self, update: Any, flag: Tensor) -> None:
         """Remember that ``update`` was taken under ``flag`` (its writes masked where False)."""
         self._pending.append((update, flag))
+        self.waiting = True
 
     def close_step(self) -> None:
         """Start reading this step's flags: an asynchronous copy to the host on CUDA."""
@@ -112,7 +126,7 @@ class Decisions:
     def skipped(self) -> list[Any]:
         """The updates whose recorded flag was False; waits
         only for the copies started by ``close_step`` (an earlier step's work)."""
-        if not self._pending and not self._copies:
+        if not self.waiting:
             return []
         self.close_step()
         skipped = []
@@ -121,6 +135,7 @@ class Decisions:
                 event.synchronize()
             skipped += [update for update, flag in zip(updates, stacked.tolist(), strict=True) if not flag]
         self._copies = []
+        self.waiting = False
         return skipped
 
     def on_host(self) -> bool:

@@ -73,6 +73,7 @@ OPTIONS: tuple[Option, ...] = (
         "APOLLO: scale the raw gradient by the projected direction, per channel or tensor "
         "(none: project the direction back, as GaLore does)",
         accepts_none=True,
+        layout=True,
     ),
     Option(
         "norm_growth_limit",

@@ -91,8 +91,9 @@ def project(grad: Tensor, basis: Basis) -> Tensor:
         # Uᵀ G is a sum over row slices of U and G.
         projected = sum(basis.left[rows].T @ grad[rows].float() for rows in slices)
         return projected @ basis.right.T if basis.right is not None else projected
-    parts = [grad[rows].float() @ basis.right.T for rows in slices]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    if len(slices) == 1:
+        return grad.float() @ basis.right.T
+    return torch.cat([grad[rows].float() @ basis.right.T for rows in slices])
 
 
 def project_back(update: Tensor, basis: Basis, rows: slice = slice(None)) -> Tensor:

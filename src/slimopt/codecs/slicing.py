@@ -40,6 +40,8 @@ def row_slices(rows: int, cols: int) -> list[slice]:
     alone it would be stored fp32 (as any small moment is) and cost the matrix its storage
     format (a 2049×2048 matrix's bf16 moments became fp32, 8 bytes per parameter)."""
     step = max(1, SLICE_NUMEL // max(cols, 1))
+    if 0 < rows <= step:
+        return [slice(0, rows)]
     starts = list(range(0, rows, step))
     if len(starts) > 1 and (rows - starts[-1]) * cols < MIN_COMPRESSED_NUMEL:
         starts.pop()
@@ -58,6 +60,8 @@ def pieces(count: int, numel_each: int, multiple: int, device: torch.device) -> 
     if device.type != "cpu" or _AS_ON_A_GPU.get():
         return [slice(0, count)]
     step = max(multiple, PIECE_NUMEL // max(numel_each, 1) // multiple * multiple)
+    if 0 < count <= step:
+        return [slice(0, count)]
     return [slice(start, min(start + step, count)) for start in range(0, count, step)]
 
 
@@ -83,9 +87,11 @@ def slices_to_update(rows: int, cols: int, *, meta: bool) -> list[tuple[int, sli
     temporaries live on into the next one, not further), so it is left out: for a 7B model that
     is six thousand slices, which made ``slimopt memory`` take half a minute."""
     every = list(enumerate(row_slices(rows, cols)))
+    if not meta or len(every) < 3:
+        return every
     sizes = [part.stop - part.start for _, part in every]
     return [
         entry
         for position, entry in enumerate(every)
-        if not (meta and position >= 2 and sizes[position] == sizes[position - 1] == sizes[position - 2])
+        if not (position >= 2 and sizes[position] == sizes[position - 1] == sizes[position - 2])
     ]

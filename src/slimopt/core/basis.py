@@ -8,11 +8,10 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from typing import Any
 
-from slimopt.codecs import state_key
 from slimopt.codecs.slicing import matrix_shape
 from slimopt.core.plan import Plan
 from slimopt.core.seeds import BASIS_STREAM, draw_seed, rounding_seed, seeded_generator
-from slimopt.core.state import BASIS_KEYS, DRAW, STEP
+from slimopt.core.state import DRAW, STEP
 from slimopt.projection import Basis, random_basis, sides
 
 
@@ -21,10 +20,8 @@ def has_basis(plan: Plan, state: MutableMapping[str, Any]) -> bool:
     factors (in the group's ``basis_states``: a load re-encodes bases saved in another)."""
     if plan.group["proj_method"] == "random":
         return DRAW in state
-    for key, (_, codec) in zip(BASIS_KEYS, plan.basis_storage, strict=True):
-        if state_key(key, codec.parts[0]) in state:
-            return True
-    return False
+    left, right = plan.basis_storage
+    return left.keys[left.codec.parts[0]] in state or right.keys[right.codec.parts[0]] in state
 
 
 def basis(plan: Plan, state: MutableMapping[str, Any]) -> Basis | None:
@@ -33,10 +30,15 @@ def basis(plan: Plan, state: MutableMapping[str, Any]) -> Basis | None:
     if plan.group["proj_method"] == "random":
         return _drawn(plan, state) if DRAW in state else None
     factors = []
-    for key, (shape, codec) in zip(BASIS_KEYS, plan.basis_storage, strict=True):
-        stored = {part: state.get(state_key(key, part)) for part in codec.parts}
-        present = all(value is not None for value in stored.values())
-        factors.append(codec.decode(stored, shape) if present else None)
+    for factor in plan.basis_storage:
+        stored = {}
+        for part, name in factor.keys.items():
+            stored[part] = state.get(name)
+            if stored[part] is None:  # a side the projection does not use
+                factors.append(None)
+                break
+        else:
+            factors.append(factor.codec.decode(stored, factor.shape))
     return None if factors == [None, None] else Basis(*factors)
 
 
@@ -59,7 +61,7 @@ def store_basis(plan: Plan, state: MutableMapping[str, Any], new: Basis) -> None
     generator = None
     if plan.group["basis_states"] == "bf16":
         generator = seeded_generator(plan.param.device, rounding_seed(state, BASIS_STREAM))
-    for key, factor, (_, codec) in zip(BASIS_KEYS, new, plan.basis_storage, strict=True):
+    for factor, storage in zip(new, plan.basis_storage, strict=True):
         if factor is not None:
-            for part, stored in codec.encode(factor, generator).items():
-                state[state_key(key, part)] = stored
+            for part, stored in storage.codec.encode(factor, generator).items():
+                state[storage.keys[part]] = stored

@@ -65,36 +65,47 @@ class Engine:
 
     def step(self) -> None:
         """Update every parameter that has a gradient (``optimizer.step()`` without its closure)."""
-        self.settle_skips()
+        decisions = self.decisions
+        if decisions.waiting:
+            self.settle_skips()
+        pending = []
+        for group in self._optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = local_view(p.grad)
+                if not group["experts"]:
+                    pending.append(self._update(p, group, grad))
+                    continue
+                for unit, part in zip(self.units(p, group), units.split(grad, group), strict=True):
+                    pending.append(self._update(unit, group, part))
         # Whether each gradient is finite is decided for all parameters at once (slimopt.finite):
         # on the host in one read for the reference path, on the device for the fused path.
-        pending = [
-            self._update(unit, group, grad)
-            for group in self._optimizer.param_groups
-            for p in group["params"]
-            if p.grad is not None
-            for unit, grad in zip(self.units(p, group), units.split(local_view(p.grad), group), strict=True)
-        ]
-        ready = []
+        ready, projected, first, fuses = [], [], [], False
         for update, verdict in zip(pending, decide(pending), strict=True):
             update.verdict = verdict
             if verdict is False:
                 units.skip(update.plan, update.state, "non-finite gradient")
             elif self._into_space(update):
                 ready.append(update)
+                fuses = fuses or update.plan.fusable
+                if update.basis is not None:
+                    projected.append(update)
+                    first.append(verdict)
         # A finite gradient can overflow when projected: projected ones are decided again.
-        projected = [update for update in ready if update.basis is not None]
         if projected:
-            again = combined([update.verdict for update in projected], decide(projected))
-            for update, verdict in zip(projected, again, strict=True):
+            for update, verdict in zip(projected, combined(first, decide(projected)), strict=True):
                 update.verdict = verdict
-        with kernels.compile_settings():
-            for update in apply_together(ready, self.decisions):
-                with self._probe("update"):
-                    apply(update, self.decisions)
-        self.decisions.close_step()
-        if self.decisions.on_host():
-            self.settle_skips()
+        # Only fused steps compile: the reference path needs neither the settings nor batches.
+        probe = self._probes.get("update", nullcontext)
+        with kernels.compile_settings() if fuses else nullcontext():
+            for update in apply_together(ready, decisions) if fuses else ready:
+                with probe():
+                    apply(update, decisions)
+        if decisions.waiting:
+            decisions.close_step()
+            if decisions.on_host():
+                self.settle_skips()
 
     def settle_skips(self) -> None:
         """Count the fused updates that a device flag skipped as not taken, as the reference
@@ -188,8 +199,7 @@ class Engine:
         self._probes[phase] = probe
 
     def _probe(self, phase: str) -> AbstractContextManager[Any]:
-        probe = self._probes.get(phase)
-        return nullcontext() if probe is None else probe()
+        return self._probes.get(phase, nullcontext)()
 
     def projects(self, param: Tensor, group: dict[str, Any]) -> bool:
         """Whether ``param`` is projected (a non-empty tensor of two or more dimensions in a
@@ -253,8 +263,10 @@ class Engine:
 
     def _update(self, unit: Tensor, group: dict[str, Any], grad: Tensor) -> Update:
         """The record of an update of ``unit`` by ``grad``, its state started."""
-        plan, state = self.plan_of(unit, group), self.state_of(unit)
-        units.start(plan, state, self._owner)
+        plan = self.plan_of(unit, group)
+        state = units.state_of(self._optimizer.state, plan.param, plan.expert)
+        if not state:
+            units.start(plan, state, self._owner)
         return Update(plan, unit, state, grad, None)
 
     def _refreshed_basis(self, update: Update) -> Basis | None:
@@ -270,7 +282,8 @@ class Engine:
         if update.grad.is_sparse:
             raise RuntimeError(f"{self._owner} does not support sparse gradients")
         if not update.plan.projected:
-            update.grad = real(update.grad)
+            if not update.plan.values_are_unit:
+                update.grad = real(update.grad)
             return True
         basis = self._refreshed_basis(update)
         if basis is None:

@@ -13,14 +13,13 @@ import torch
 from torch import Tensor
 
 from slimopt import kernels
-from slimopt.codecs import MIN_COMPRESSED_NUMEL, state_key
+from slimopt.codecs import MIN_COMPRESSED_NUMEL
 from slimopt.codecs.draws import stream_seed
 from slimopt.codecs.slicing import slices_to_update
-from slimopt.core.moments import stored_parts
 from slimopt.core.record import NotCompiled, Outcome, Update, begin
 from slimopt.core.state import STEP
-from slimopt.core.tensors import as_matrix, matrix_of, values
-from slimopt.core.weights import update_weights_projected, weight_step
+from slimopt.core.tensors import as_matrix, values
+from slimopt.core.weights import matrix_of, update_weights_projected, weight_step
 from slimopt.kernels import adafactor, adamw
 from slimopt.kernels.adafactor import AdafactorScalars
 from slimopt.rules import AdamWRule
@@ -32,7 +31,7 @@ def fused_update(update: Update) -> Outcome:
     compile it."""
     plan, state, group = update.plan, update.state, update.plan.group
     step = state[STEP]
-    with matrix_of(update.unit) as weights:
+    with matrix_of(plan, update.unit) as weights:
         moments = stored_moments(update)
         matrix = as_matrix(update.grad)
         if update.basis is None:  # moments and weights in one fused step
@@ -50,11 +49,13 @@ def stored_moments(update: Update) -> dict[str, kernels.Moment]:
     """Each moment of the rule that the unit's state holds, in the rule's order, as the fused
     step takes it, on the gradient's device: its stored parts, their ``Storage`` and its lookup
     tables (blocks only)."""
-    return {
-        key: fused_moment(codec, stored_parts(update.state, key, codec.parts), update.grad.device)
-        for key, codec in update.plan.moment_codecs(update.layout).items()
-        if state_key(key, codec.parts[0]) in update.state
-    }
+    moments, state = {}, update.state
+    for key, codec in update.storage.codecs.items():
+        names = update.storage.keys[key]
+        if names[codec.parts[0]] in state:
+            parts = {part: state[name] for part, name in names.items()}
+            moments[key] = fused_moment(codec, parts, update.grad.device)
+    return moments
 
 
 def fused_moment(codec: Any, parts: dict[str, Tensor], device: torch.device) -> kernels.Moment:

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from slimopt.codecs import state_key
 from slimopt.codecs.slicing import matrix_shape
-from slimopt.core.plan import Plan
+from slimopt.core.plan import MomentStorage, Plan
 from slimopt.core.seeds import LOAD_STREAM, rounding_generator
 from slimopt.core.state import KEPT, is_basis_key, started
 from slimopt.projection import Basis, projected_shape
@@ -20,12 +20,12 @@ from slimopt.projection import Basis, projected_shape
 State = MutableMapping[str, Any]
 
 
-def decode_all(plan: Plan, state: State, shape: torch.Size, layout: torch.Size) -> dict[str, Tensor]:
-    """The fp32 value of every stored moment of the rule; ``shape`` is the moments' (local)
-    shape, ``layout`` the shape the storage format is chosen by (``Plan.layout``)."""
+def decode_all(storage: MomentStorage, state: State, shape: torch.Size) -> dict[str, Tensor]:
+    """The fp32 value of every moment stored by ``storage`` (``Plan.storage``); ``shape`` is the
+    moments' (local) shape."""
     moments = {}
-    keys = plan.stored_keys(layout)
-    for key, codec in plan.moment_codecs(layout).items():
+    keys = storage.keys
+    for key, codec in storage.codecs.items():
         stored = {}
         for part, name in keys[key].items():
             stored[part] = state.get(name)
@@ -37,15 +37,14 @@ def decode_all(plan: Plan, state: State, shape: torch.Size, layout: torch.Size) 
 
 
 def encode(
-    plan: Plan,
+    storage: MomentStorage,
     state: State,
     moments: dict[str, Tensor],
     generator: torch.Generator | None,
-    layout: torch.Size,
 ) -> None:
-    """Store each of the rule's ``moments`` (by key) in the format ``layout`` gets, drawing
-    stochastic roundings from ``generator`` in the moments' order."""
-    codecs, keys = plan.moment_codecs(layout), plan.stored_keys(layout)
+    """Store each of the rule's ``moments`` (by key) as ``storage`` says (``Plan.storage``),
+    drawing stochastic roundings from ``generator`` in the moments' order."""
+    codecs, keys = storage.codecs, storage.keys
     for key, value in moments.items():
         for part, stored in codecs[key].encode(value, generator).items():
             state[keys[key][part]] = stored
@@ -59,15 +58,15 @@ def stored_parts(state: State, key: str, parts: Iterable[str]) -> dict[str, Tens
 def store(plan: Plan, state: State, moments: dict[str, Tensor]) -> None:
     """Encode ``moments`` (as ``decoded`` gives them) with the plan's storage format into a
     state whose stored tensors have been removed."""
-    layouts = {key: plan.layout(value.shape) for key, value in moments.items()}
-    generator = rounding_generator(plan, state, next(iter(layouts.values())), LOAD_STREAM)
-    storages = plan.row_storages() if plan.by_row_slices else {}
+    storages = {key: plan.storage(plan.layout(value.shape)) for key, value in moments.items()}
+    generator = rounding_generator(plan, state, next(iter(storages.values())), LOAD_STREAM)
+    row_storages = plan.row_storages() if plan.by_row_slices else {}
     for key, value in moments.items():
-        if key in storages:
-            for part, stored in storages[key].encode_all(value, generator).items():
+        if key in row_storages:
+            for part, stored in row_storages[key].encode_all(value, generator).items():
                 state[state_key(key, part)] = stored
         elif key in plan.rule.moment_kinds:
-            encode(plan, state, {key: value}, generator, layouts[key])
+            encode(storages[key], state, {key: value}, generator)
         else:
             state[key] = value
 
@@ -90,9 +89,9 @@ def decoded(
             moments[key] = storage.decode_all(stored_parts(state, key, storage.sizes)).view(shape)
             moment_parts |= {state_key(key, part) for part in storage.sizes}
     else:
-        layout = shape if rows is None else torch.Size((rows, *shape[1:]))
-        moments = decode_all(plan, state, shape, layout)
-        for key, codec in plan.moment_codecs(layout).items():
+        storage = plan.storage(shape if rows is None else torch.Size((rows, *shape[1:])))
+        moments = decode_all(storage, state, shape)
+        for key, codec in storage.codecs.items():
             moment_parts |= {state_key(key, part) for part in codec.parts}
     for key, value in state.items():  # the rule's own statistics (Adafactor's factored ones)
         if (

@@ -22,10 +22,11 @@ from slimopt import kernels
 from slimopt.codecs import Codec, moment_codec, state_key
 from slimopt.codecs.rows import RowSlicedStorage, row_sliced_storage
 from slimopt.codecs.slicing import matrix_shape, sliced
+from slimopt.core.state import BASIS_KEYS
 from slimopt.core.tensors import values
 from slimopt.options import LAYOUT_OPTIONS, fused_unsupported, is_projected
 from slimopt.rules import UpdateRule
-from slimopt.sharding import RowSharding
+from slimopt.sharding import RowSharding, is_sharded
 from slimopt.weight_formats.int8 import Int8Weight
 
 # Experts' seeds: their parameter's ordinal plus a multiple of this (more than any model's
@@ -52,6 +53,15 @@ class MomentStorage(NamedTuple):
     draws: bool
 
 
+class FactorStorage(NamedTuple):
+    """How one factor of a projected unit's basis is stored: its shape, its codec
+    (``basis_states``) and the state key of each stored part (``basis_left.codes``), by part."""
+
+    shape: torch.Size
+    codec: Codec
+    keys: dict[str, str]
+
+
 @dataclass(frozen=True, eq=False)
 class Plan:
     """What the engine needs to know about one unit; see the module docstring."""
@@ -63,11 +73,19 @@ class Plan:
     options: tuple[Any, ...]  # the group's LAYOUT_OPTIONS when planned
     rule: UpdateRule
     projected: bool
+    # Whether the update scales the raw gradient by the rule's direction in the projected space
+    # (APOLLO, ``scale_type``) rather than projecting that direction back.
+    scales_gradient: bool
     sharding: RowSharding | None  # how the parameter is split by rows, or None
     values_shape: torch.Size  # this process's values (real pairs of a complex parameter)
+    matrix: tuple[int, int]  # the values' matrix shape (``matrix_shape``)
+    # Whether the unit is its own values (neither a DTensor's shard nor complex): the update
+    # works on it directly.
+    values_are_unit: bool
     by_row_slices: bool  # moments stored and updated a slice of rows at a time
     fusable: bool  # whether updates take the fused step (unless auto mode gives it up)
     policy: kernels.FusedPolicy  # the optimizer's choices by device (auto mode, Triton, flags)
+    flags_on_device: bool  # ``policy.flags_on`` the unit's device
     rounds_weights: bool  # weights rounded stochastically: bf16 (or its correction), int8
     corrects_weights: bool  # bf16 weights with an 8-bit correction in the state
     place: Place
@@ -86,12 +104,6 @@ class Plan:
         return group is self.group and layout_options(group) == self.options
 
     @property
-    def scales_gradient(self) -> bool:
-        """Whether the update scales the raw gradient by the rule's direction in the projected
-        space (APOLLO, ``scale_type``) rather than projecting that direction back."""
-        return self.projected and self.group["scale_type"] is not None
-
-    @property
     def seed(self) -> int:
         """The unit's own seed: each expert of a stacked parameter draws its own numbers."""
         ordinal = self.place.ordinal
@@ -108,20 +120,13 @@ class Plan:
         one for a parameter split by rows, so every process stores it alike."""
         return shape if self.sharding is None else torch.Size((self.sharding.rows, *shape[1:]))
 
-    def moment_codecs(self, layout: torch.Size) -> dict[str, Codec]:
-        """The codec of each moment of the rule, by key, for storage chosen by ``layout``."""
-        return (self._storages.get(layout) or self._storage(layout)).codecs
-
-    def stored_keys(self, layout: torch.Size) -> dict[str, dict[str, str]]:
-        """The state key of each stored part of each moment (``exp_avg.codes``), by moment and
-        part, for storage chosen by ``layout``."""
-        return (self._storages.get(layout) or self._storage(layout)).keys
-
-    def draws(self, layout: torch.Size) -> bool:
-        """Whether an update draws random numbers: stochastically rounded weights or states."""
-        return (self._storages.get(layout) or self._storage(layout)).draws
-
-    def _storage(self, layout: torch.Size) -> MomentStorage:
+    def storage(self, layout: torch.Size) -> MomentStorage:
+        """How the moments are stored for ``layout``: the codec of each moment of the rule, the
+        state key of each stored part, and whether an update draws random numbers
+        (stochastically rounded weights or states)."""
+        known = self._storages.get(layout)
+        if known is not None:
+            return known
         states, block_size = self.group["states"], self.group["block_size"]
         codecs = {
             key: moment_codec(states, kind, layout, block_size)
@@ -144,13 +149,17 @@ class Plan:
         }
 
     @cached_property
-    def basis_storage(self) -> tuple[tuple[torch.Size, Codec], tuple[torch.Size, Codec]]:
-        """The shape and codec (``basis_states``) of the left and of the right factor of a
-        projected unit's basis."""
+    def basis_storage(self) -> tuple[FactorStorage, FactorStorage]:
+        """How the left and the right factor of a projected unit's basis are stored (under
+        ``BASIS_KEYS``)."""
         rows, cols = matrix_shape(self.shape)
         rank = min(self.group["rank"], rows, cols)
         shapes = torch.Size((rows, rank)), torch.Size((rank, cols))
-        left, right = ((shape, moment_codec(self.group["basis_states"], "linear", shape)) for shape in shapes)
+        factors = []
+        for key, shape in zip(BASIS_KEYS, shapes, strict=True):
+            codec = moment_codec(self.group["basis_states"], "linear", shape)
+            factors.append(FactorStorage(shape, codec, {part: state_key(key, part) for part in codec.parts}))
+        left, right = factors
         return left, right
 
     def stored_by_row_slices(self, shape: torch.Size) -> bool:
@@ -173,6 +182,7 @@ def make_plan(
     rule = context.rule_of(group)
     shape = values(unit).shape
     projected = is_projected(unit, group)
+    device_type = param.device.type
     return Plan(
         param=param,
         shape=unit.shape,
@@ -181,11 +191,15 @@ def make_plan(
         options=layout_options(group),
         rule=rule,
         projected=projected,
+        scales_gradient=projected and group["scale_type"] is not None,
         sharding=None if expert is not None else context.sharding(param),
         values_shape=shape,
+        matrix=matrix_shape(shape),
+        values_are_unit=not is_sharded(unit) and not unit.is_complex(),
         by_row_slices=not projected and rule.elementwise and sliced(shape),
         fusable=fusable(unit, group, rule, context.policy),
         policy=context.policy,
+        flags_on_device=context.policy.flags_on(device_type),
         rounds_weights=isinstance(unit, Int8Weight)
         or (group["param_rounding"] != "nearest" and unit.dtype == torch.bfloat16),
         corrects_weights=corrects_weights(unit, group),

@@ -8,7 +8,7 @@ generator, the moments' age); and what an update path reports back to the dispat
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from slimopt.codecs import state_key
 from slimopt.core.moments import encode
-from slimopt.core.plan import Plan
+from slimopt.core.plan import MomentStorage, Plan
 from slimopt.core.seeds import rounding_generator
 from slimopt.core.state import MOMENT_STEP, started
 from slimopt.core.tensors import as_matrix
@@ -40,7 +40,7 @@ class Update:
     # Whether the gradient is finite: a host bool, or a flag on the device (see ``decisions``).
     verdict: bool | Tensor = True
     keep: Tensor | None = None  # the device flag the fused step masks its writes by
-    layout: torch.Size = field(default_factory=torch.Size)
+    storage: MomentStorage | None = None  # how its moments are stored (``Plan.storage``)
     generator: torch.Generator | None = None
     age: int = 0
 
@@ -71,33 +71,33 @@ def keep_raw(update: Update, raw: Tensor | None) -> None:
 def begin(update: Update, *, own_dtype: bool = False) -> None:
     """An update's start: the fp32 gradient (in its own dtype with ``own_dtype``: for a step
     that reads bf16 itself), contiguous so that moments created like it and the direction have a
-    2-D view; the moments' layout; the rounding generator; the moments' age, counted (the
+    2-D view; how the moments are stored; the rounding generator; the moments' age, counted (the
     moments created on the first update: ``start_moments``)."""
     plan, state = update.plan, update.state
     grad = (update.grad if own_dtype else update.grad.float()).contiguous()
-    layout = plan.layout(grad.shape)
-    generator = rounding_generator(plan, state, layout)
+    storage = plan.storage(plan.layout(grad.shape))
+    generator = rounding_generator(plan, state, storage)
     if not started(state):
-        start_moments(update, grad, generator, layout)
-    update.grad, update.layout, update.generator, update.age = grad, layout, generator, advance(state)
+        start_moments(update, grad, generator, storage)
+    update.grad, update.storage, update.generator, update.age = grad, storage, generator, advance(state)
 
 
 def start_moments(
-    update: Update, grad: Tensor, generator: torch.Generator | None, layout: torch.Size
+    update: Update, grad: Tensor, generator: torch.Generator | None, storage: MomentStorage
 ) -> None:
     """The unit's moments as its first update finds them: the rule's initial state, encoded by
     the plan's codecs, or for a unit updated by slices of rows zeros in its sliced storage (each
     slice starts from the rule's initial state as it is updated)."""
     plan, state = update.plan, update.state
     if plan.by_row_slices:
-        for key, storage in plan.row_storages().items():
-            for part, tensor in storage.allocate(plan.param.device, plan.values_shape).items():
+        for key, sliced in plan.row_storages().items():
+            for part, tensor in sliced.allocate(plan.param.device, plan.values_shape).items():
                 state[state_key(key, part)] = tensor
     else:
         initial = plan.rule.init_state(grad.float(), plan.group, projected=update.basis is not None)
         for key, value in initial.items():
             if key in plan.rule.moment_kinds:
-                encode(plan, state, {key: value}, generator, layout)
+                encode(storage, state, {key: value}, generator)
             else:
                 state[key] = value
     state[MOMENT_STEP] = 0

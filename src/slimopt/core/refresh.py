@@ -121,15 +121,15 @@ def carry_moments(plan: Plan, state: State, shape: torch.Size, old: Basis, new: 
     policy = plan.group["on_subspace_change"]
     if policy == "keep":
         return
-    layout = plan.layout(shape)
-    generator = rounding_generator(plan, state, layout, SUBSPACE_CHANGE_STREAM)
-    moments = decode_all(plan, state, shape, layout)
+    storage = plan.storage(plan.layout(shape))
+    generator = rounding_generator(plan, state, storage, SUBSPACE_CHANGE_STREAM)
+    moments = decode_all(storage, state, shape)
     for key, value in moments.items():
         if policy == "rotate":
             squared = plan.rule.moment_kinds[key] == "square"
             moments[key] = projection.rotate(value, old, new, squared=squared)
         else:
             moments[key] = torch.zeros_like(value)
-    encode(plan, state, moments, generator, layout)
+    encode(storage, state, moments, generator)
     if policy == "reset":
         state[MOMENT_STEP] = 0

@@ -8,8 +8,8 @@ from slimopt.core.fused import fused_moment, fused_step
 from slimopt.core.moments import stored_parts
 from slimopt.core.record import NotCompiled, Outcome, Update
 from slimopt.core.state import STEP
-from slimopt.core.tensors import as_matrix, matrix_of
-from slimopt.core.weights import update_weights, weight_step
+from slimopt.core.tensors import as_matrix
+from slimopt.core.weights import matrix_of, update_weights, weight_step
 
 
 def update_by_row_slices(update: Update) -> Outcome:
@@ -21,7 +21,7 @@ def update_by_row_slices(update: Update) -> Outcome:
     first = update.age == 1  # the moments were created by ``begin``: each slice starts from zero
     storages = plan.row_storages()
     stored = {key: stored_parts(state, key, storage.sizes) for key, storage in storages.items()}
-    with matrix_of(update.unit) as weights:
+    with matrix_of(plan, update.unit) as weights:
         grad = as_matrix(update.grad)
         lr = plan.rule.step_size(group, weights, state[STEP])
         write = weight_step(plan, state, weights, update.generator, lr, 1.0)

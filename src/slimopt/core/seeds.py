@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from slimopt.core.plan import Plan
+from slimopt.core.plan import MomentStorage, Plan
 from slimopt.core.state import SEED, STEP
 
 # Random streams of stochastic rounding within one step of one unit.
@@ -38,16 +38,16 @@ def draw_seed(state: MutableMapping[str, Any], draw: int) -> int:
 
 
 def rounding_generator(
-    plan: Plan, state: MutableMapping[str, Any], layout: torch.Size, stream: int = UPDATE_STREAM
+    plan: Plan, state: MutableMapping[str, Any], storage: MomentStorage, stream: int = UPDATE_STREAM
 ) -> torch.Generator | None:
-    """A generator for stochastic rounding of the states (and of the weights, when they are bf16
-    rounded stochastically) stored by ``layout``, seeded by unit, step and ``stream``; None when
-    nothing draws.
+    """A generator for stochastic rounding of the states stored by ``storage`` (``Plan.storage``)
+    and of the weights, when they are rounded stochastically, seeded by unit, step and
+    ``stream``; None when nothing draws.
 
     Roundings of one step that follow each other (moments carried to a new basis, then
     updated) must draw from different streams: the same uniform numbers twice would make
     the pair biased."""
-    if not plan.draws(layout):
+    if not storage.draws:
         return None
     return seeded_generator(plan.param.device, rounding_seed(state, stream))
 

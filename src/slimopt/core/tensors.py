@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 from torch import Tensor
 
@@ -27,17 +24,3 @@ def as_matrix(tensor: Tensor) -> Tensor:
     """``tensor`` as ``shape[0] × rest`` (one row for a vector or a scalar): a view where the
     layout allows one, else a copy. A ``SparseDirection`` (TACO's, of a matrix) is one already."""
     return tensor.reshape(matrix_shape(tensor.shape)) if isinstance(tensor, Tensor) else tensor
-
-
-@contextmanager
-def matrix_of(param: Tensor) -> Iterator[Tensor]:
-    """A writable ``shape[0] × rest`` view of ``param``'s values (of its real pairs, if complex).
-    A parameter whose layout has no such view (channels_last) is updated in a contiguous copy
-    that is written back at the end."""
-    own = values(param)
-    if own.is_contiguous():
-        yield as_matrix(own)
-        return
-    copy = own.contiguous()
-    yield as_matrix(copy)
-    own.copy_(copy)

@@ -70,11 +70,9 @@ def places(param_groups: list[dict[str, Any]], given: Mapping[Tensor, Place]) ->
 
 
 def start(plan: Plan, state: MutableMapping[str, Any], owner: str) -> None:
-    """Start the counters of a unit's first update (its state is empty; else nothing to do):
-    its step, skips, seed and refresh offset. Raises ``ValueError`` for a parameter split by
-    rows in a way ``owner`` (the optimizer's name) cannot update."""
-    if state:
-        return
+    """Start the counters of a unit's first update in its empty ``state``: its step, skips, seed
+    and refresh offset. Raises ``ValueError`` for a parameter split by rows in a way ``owner``
+    (the optimizer's name) cannot update."""
     if split_by_rows(plan.param):
         # Checked at construction too; here for parameters split afterwards (accelerate's
         # FSDP2 puts the sharded parameters into an optimizer built before prepare()).

@@ -25,9 +25,9 @@ from slimopt.core.record import NotCompiled, Outcome, Update, begin
 from slimopt.core.rows import update_by_row_slices
 from slimopt.core.scaling import limited, scaling_factor, write_scaled
 from slimopt.core.state import STEP, started
-from slimopt.core.tensors import as_matrix, matrix_of, real
+from slimopt.core.tensors import as_matrix, real
 from slimopt.core.units import skip, unstep
-from slimopt.core.weights import update_weights, update_weights_projected, weight_step
+from slimopt.core.weights import matrix_of, update_weights, update_weights_projected, weight_step
 from slimopt.finite import Decisions
 
 
@@ -36,7 +36,7 @@ def decides_on_device(update: Update) -> bool:
     device where its optimizer's policy keeps the flags (``FusedPolicy.flags_on``), once its
     state exists (a first step creates the state on the host)."""
     plan = update.plan
-    return plan.policy.flags_on(plan.param.device.type) and plan.fused and started(update.state)
+    return plan.flags_on_device and plan.fused and started(update.state)
 
 
 def decide(updates: list[Update]) -> list[bool | Tensor]:
@@ -44,27 +44,28 @@ def decide(updates: list[Update]) -> list[bool | Tensor]:
     update deciding on the device a flag left there."""
     grads, groups, on_device = [], [], []
     for update in updates:
+        plan = update.plan
         grads.append(real(update.grad))
-        groups.append(None if update.plan.sharding is None else update.plan.sharding.group)
-        on_device.append(decides_on_device(update))
-    flags = finite.finite_flags(grads, groups)
-    read = iter(finite.read([f for f, device in zip(flags, on_device, strict=True) if not device]))
-    return [
-        flag if device and flag is not None else True if device else next(read)
-        for flag, device in zip(flags, on_device, strict=True)
-    ]
+        groups.append(None if plan.sharding is None else plan.sharding.group)
+        on_device.append(plan.flags_on_device and decides_on_device(update))
+    return finite.decisions(finite.finite_flags(grads, groups), on_device)
 
 
 def combined(first: list[bool | Tensor], second: list[bool | Tensor]) -> list[bool | Tensor]:
     """Each pair of decisions combined: host bools by ``and``, device flags in one vector
     operation for all of them (not one per parameter)."""
-    pairs = list(zip(first, second, strict=True))
-    on_device = [k for k, (a, b) in enumerate(pairs) if isinstance(a, Tensor) and isinstance(b, Tensor)]
-    both: list[bool | Tensor] = [
-        False if a is False or b is False else b if a is True else a for a, b in pairs
-    ]
+    both: list[bool | Tensor] = []
+    on_device: list[int] = []
+    for index, (a, b) in enumerate(zip(first, second, strict=True)):
+        if a is False or b is False:
+            both.append(False)
+        elif a is True or b is True:
+            both.append(b if a is True else a)
+        else:  # two device flags
+            both.append(a)
+            on_device.append(index)
     if on_device:
-        vector = torch.stack([pairs[k][0] for k in on_device]) & torch.stack([pairs[k][1] for k in on_device])
+        vector = torch.stack([first[k] for k in on_device]) & torch.stack([second[k] for k in on_device])
         for position, k in enumerate(on_device):
             both[k] = vector[position]
     return both
@@ -107,15 +108,18 @@ def apply(update: Update, decisions: Decisions) -> None:
         skip(update.plan, update.state, "non-finite gradient")
         return
     update.keep = verdict if isinstance(verdict, Tensor) else None
-    settle(update, _path(update), decisions)
+    outcome = _path(update)
+    if outcome is not Outcome.TAKEN:
+        settle(update, outcome, decisions)
 
 
 def _path(update: Update) -> Outcome:
     # By slices of rows the gradient stays in its dtype: each slice is read as fp32 in turn.
-    begin(update, own_dtype=update.plan.by_row_slices)
-    if update.plan.by_row_slices:
+    plan = update.plan
+    begin(update, own_dtype=plan.by_row_slices)
+    if plan.by_row_slices:
         return update_by_row_slices(update)
-    if update.plan.fused:
+    if plan.fusable and plan.fused:
         try:
             return fused_update(update)
         except NotCompiled:
@@ -144,10 +148,10 @@ def reference_update(update: Update) -> Outcome:
     plan, state, group = update.plan, update.state, update.plan.group
     if update.keep is not None and not bool(update.keep):
         return Outcome.SKIPPED
-    moments = decode_all(plan, state, update.grad.shape, update.layout)
+    moments = decode_all(update.storage, state, update.grad.shape)
     direction = plan.rule.direction(update.grad, {**state, **moments}, update.age, group)
-    encode(plan, state, moments, update.generator, update.layout)
-    with matrix_of(update.unit) as weights:
+    encode(update.storage, state, moments, update.generator)
+    with matrix_of(plan, update.unit) as weights:
         lr = plan.rule.step_size(group, weights, state[STEP])
         if update.basis is None:
             update_weights(

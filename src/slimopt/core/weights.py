@@ -2,11 +2,13 @@
 into how the weights are stored — to nearest, or stochastically for bf16; bf16 with an 8-bit
 correction kept in the unit's state (``param_rounding="corrected"``); int8 codes, always
 stochastically (``slimopt.weight_formats``) — for a whole matrix or a slice of its rows (a
-projected direction projected back a slice at a time)."""
+projected direction projected back a slice at a time), through the unit's matrix view
+(``matrix_of``)."""
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -16,6 +18,7 @@ from torch import Tensor
 from slimopt.codecs.plain import round_to_bf16_stochastically
 from slimopt.core.plan import Plan
 from slimopt.core.state import CORRECTION
+from slimopt.core.tensors import values
 from slimopt.projection import Basis, add_projected_back, project_back
 from slimopt.rules import SparseDirection
 from slimopt.weight_formats.corrected import corrected, split_
@@ -39,6 +42,20 @@ class WeightStep:
     def of_rows(self, rows: slice) -> WeightStep:
         """This step for ``rows`` of the matrix it was made for."""
         return self if self.correction is None else replace(self, correction=self.correction[rows])
+
+
+@contextmanager
+def matrix_of(plan: Plan, unit: Tensor) -> Iterator[Tensor]:
+    """A writable ``shape[0] × rest`` view of the values of ``plan``'s ``unit`` (of its real
+    pairs, if complex). A unit whose layout has no such view (channels_last) is updated in a
+    contiguous copy that is written back at the end."""
+    own = unit if plan.values_are_unit else values(unit)
+    if own.is_contiguous():
+        yield own.view(plan.matrix)
+        return
+    copy = own.contiguous()
+    yield copy.view(plan.matrix)
+    own.copy_(copy)
 
 
 def weight_correction(plan: Plan, state: MutableMapping[str, Any], weights: Tensor) -> Tensor:
