@@ -29,6 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from slimopt import kernels
 from slimopt.core import basis as stored_basis
 from slimopt.core import moments, units
+from slimopt.core.packed import PackedGradients
 from slimopt.core.plan import Place, Plan, PlanContext, make_plan
 from slimopt.core.record import Update, keep_raw
 from slimopt.core.refresh import agreed, refresh_due, refresh_when_due
@@ -62,23 +63,29 @@ class Engine:
         self.decisions = Decisions()  # fused updates under finite flags not yet read (slimopt.finite)
         self._probes: dict[str, Callable[[], AbstractContextManager[Any]]] = {}
         self._fused_policy = kernels.FusedPolicy()
+        # Gradients holding projections a gradient sync packed there (slimopt.distributed.grad_sync).
+        self.packed_gradients = PackedGradients()
 
     def step(self) -> None:
         """Update every parameter that has a gradient (``optimizer.step()`` without its closure)."""
         decisions = self.decisions
         if decisions.waiting:
             self.settle_skips()
+        packed = self.packed_gradients
         pending = []
         for group in self._optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 grad = local_view(p.grad)
+                shapes = packed.take(p) if packed.unread else None
                 if not group["experts"]:
-                    pending.append(self._update(p, group, grad))
+                    pending.append(self._update(p, group, grad, shapes[0] if shapes else None))
                     continue
-                for unit, part in zip(self.units(p, group), units.split(grad, group), strict=True):
-                    pending.append(self._update(unit, group, part))
+                views = self.units(p, group)
+                shapes = shapes or [None] * len(views)
+                for unit, part, shape in zip(views, units.split(grad, group), shapes, strict=True):
+                    pending.append(self._update(unit, group, part, shape))
         # Whether each gradient is finite is decided for all parameters at once (slimopt.finite):
         # on the host in one read for the reference path, on the device for the fused path.
         ready, projected, first, fuses = [], [], [], False
@@ -217,6 +224,22 @@ class Engine:
         plan = self.plan_of(param, group)
         return not plan.projected or plan.scales_gradient or refresh_due(plan, self.state_of(param))
 
+    def unit_gradients(
+        self, param: Tensor, group: dict[str, Any], grad: Tensor
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Each unit of ``param`` (``units``) with its part of ``grad``."""
+        return list(zip(self.units(param, group), units.split(grad, group), strict=True))
+
+    def projection_to_sync(self, unit: Tensor, group: dict[str, Any], grad: Tensor) -> Tensor | None:
+        """The fp32 projection of ``grad`` into ``unit``'s basis, which a step of ``unit`` would
+        read, for processes to synchronize instead of ``grad`` (``slimopt.distributed.grad_sync``);
+        None when this step needs the whole gradient (``needs_whole_gradient``) or ``unit`` has no
+        basis yet."""
+        if self.needs_whole_gradient(unit, group):
+            return None
+        basis = self.basis(unit, group)
+        return None if basis is None else project(as_matrix(grad), basis)
+
     def basis(self, param: Tensor, group: dict[str, Any]) -> Basis | None:
         """The fp32 basis of a projected ``param`` (decoded from its storage, or drawn from its
         seed for ``proj_method="random"``), or None."""
@@ -261,13 +284,21 @@ class Engine:
         with self._probe("update"):
             apply(update, self.decisions)
 
-    def _update(self, unit: Tensor, group: dict[str, Any], grad: Tensor) -> Update:
-        """The record of an update of ``unit`` by ``grad``, its state started."""
+    def _update(
+        self, unit: Tensor, group: dict[str, Any], grad: Tensor, packed: torch.Size | None = None
+    ) -> Update:
+        """The record of an update of ``unit`` by ``grad``, its state started; ``packed``: the
+        shape of the synchronized projection ``grad`` holds at its start instead of a gradient
+        (``packed_gradients``), already in the unit's basis."""
         plan = self.plan_of(unit, group)
         state = units.state_of(self._optimizer.state, plan.param, plan.expert)
         if not state:
             units.start(plan, state, self._owner)
-        return Update(plan, unit, state, grad, None)
+        update = Update(plan, unit, state, grad, None)
+        if packed is not None:
+            update.grad = grad.reshape(-1)[: packed.numel()].view(packed)
+            update.basis = stored_basis.basis(plan, state)
+        return update
 
     def _refreshed_basis(self, update: Update) -> Basis | None:
         """``update``'s basis, refreshed from its gradient first when the refresh is due (the one
@@ -281,6 +312,8 @@ class Engine:
         when the update is skipped (no basis could be computed yet)."""
         if update.grad.is_sparse:
             raise RuntimeError(f"{self._owner} does not support sparse gradients")
+        if update.basis is not None:  # a synchronized projection (``packed_gradients``)
+            return True
         if not update.plan.projected:
             if not update.plan.values_are_unit:
                 update.grad = real(update.grad)

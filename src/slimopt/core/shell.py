@@ -155,6 +155,13 @@ class SlimoptOptimizer(Optimizer):
         self.engine.step()
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or set to None) the gradients, as ``torch.optim.Optimizer`` does; any of them
+        holding a synchronized projection (``slimopt.distributed.sync_gradients``) holds a
+        gradient again."""
+        self.engine.packed_gradients.clear()
+        super().zero_grad(set_to_none)
+
     def state_dict(self) -> dict[str, Any]:
         """The ``torch.optim`` state dict (a layer-wise handle's pre-hook refuses one halfway
         through an accumulation, whose partial sums it could not hold)."""
@@ -166,10 +173,16 @@ class SlimoptOptimizer(Optimizer):
         ``torch.optim.AdamW`` (see ``slimopt.core.loading``); moments keep this optimizer's storage.
 
         Raises ``ValueError`` when the state dict projects differently, comes from another
-        update rule, or holds hyperparameters this optimizer rejects. Every state tensor keeps
-        its saved dtype: ``torch.optim.Optimizer`` would cast fp32 moments and bases of bf16
-        parameters to bf16 and break exact resumption.
+        update rule, or holds hyperparameters this optimizer rejects, and between a backward
+        that synchronized projections (``slimopt.distributed.sync_gradients``) and its step.
+        Every state tensor keeps its saved dtype: ``torch.optim.Optimizer`` would cast fp32
+        moments and bases of bf16 parameters to bf16 and break exact resumption.
         """
+        if self.engine.packed_gradients.unread:
+            raise ValueError(
+                "gradients hold projections into the current bases (projected gradient sync), which "
+                "a load would replace: load before backward, or call zero_grad() first"
+            )
         self.engine.settle_skips()  # counts of the steps before; the loaded ones replace them
         loading.load_state_dict(self, state_dict)
 

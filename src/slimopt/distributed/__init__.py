@@ -99,6 +99,16 @@ def zero_redundancy_optimizer(model: nn.Module, name: str, *, lr: float | None, 
     return SlimoptZeroRedundancyOptimizer(groups, whole.engine.places(), optimizer_class=cls, **hyper)
 
 
+def sync_gradients(model: nn.Module, optimizer: Any, mode: str = "auto", group: Any = None) -> Any:
+    """Synchronize the gradients of ``model`` (DDP) as ``slimopt.distributed.grad_sync``
+    describes: the projections of GaLore-projected matrices between refreshes (``mode``
+    "projected", or "auto" where the optimizer projects), else whole; see
+    ``grad_sync.sync_gradients``."""
+    from slimopt.distributed.grad_sync import sync_gradients as register
+
+    return register(model, optimizer, mode, group)
+
+
 def __getattr__(name: str) -> Any:
     """``slimopt.distributed.checkpoint`` after nothing but ``import slimopt``, as the manual writes
     it, without importing ``torch.distributed.checkpoint`` for every user of the optimizers."""

@@ -1,0 +1,178 @@
+"""Gradient synchronization under DDP that sends what the optimizer reads: a GaLore-projected
+matrix's projection, not its whole gradient.
+
+Between two refreshes a projected matrix's basis P is the same on every process, so the projection
+of the averaged gradient is the average of the projections, Pᵀ(Σ Gᵢ)/N = Σ (PᵀGᵢ)/N: all-reducing
+the r×n projection instead of the m×n gradient is exact up to the order of the sums. The DDP
+communication hook of ``sync_gradients`` all-reduces, in one collective per bucket of gradients,
+the projections of the matrices whose basis stays at this step and the whole gradients of the
+rest: unprojected parameters, and a matrix whose basis is refreshed from this step's gradient
+(the SVD or subspace iteration needs all of it) or that has none yet.
+
+A synchronized projection comes back packed into the start of its parameter's ``.grad``, the rest
+zeros (``slimopt.core.packed``): its norm is the projection's, so a global-norm clip
+(``torch.nn.utils.clip_grad_norm_``) clips by the norm of what the optimizer reads, and an AMP
+grad scaler's unscaling and a finiteness check see what the optimizer will read. The optimizer
+reads it from there, without projecting again. Such a ``.grad`` is not a gradient in the
+parameter's shape: one step reads it, and a backward into a ``.grad`` that still holds one (a
+second synchronized backward before the step, or the next one without ``zero_grad()``) raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from slimopt.collectives import all_reduce_async
+
+# What ``sync_gradients`` (``slimopt train --grad-sync``) accepts: "projected" all-reduces the
+# projections of GaLore-projected matrices between refreshes, "full" every whole gradient (as
+# DDP does, counted), "auto" projected where an optimizer projects gradients, else full.
+GRAD_SYNCS = ("auto", "full", "projected")
+
+
+def projected_sync_error(groups: list[dict[str, Any]], name: str) -> str | None:
+    """Why an optimizer (``name``) with param ``groups`` cannot synchronize projections, or
+    None: some group projects its gradients GaLore's way (a ``rank``, no ``scale_type``)."""
+    if any("rank" in group and group.get("scale_type") is None for group in groups):
+        return None
+    if any(group.get("scale_type") is not None for group in groups):
+        return f"{name} scales each raw gradient by its projected direction (APOLLO), so it needs them whole"
+    if any(group.get("rule") == "taco" for group in groups) or name.lower() == "taco":
+        return "taco sketches each whole gradient, so it needs them whole"
+    return f"{name} projects no gradient, so it needs them whole"
+
+
+class GradientSync:
+    """The state of one DDP model's communication hook (``sync_gradients``): the optimizer's
+    engine and groups, the mode it runs ("projected" or "full"), the process group, and the bytes
+    this process has all-reduced for gradients (``sent``; ``take_sent``: since the last read)."""
+
+    def __init__(self, optimizer: Any, mode: str, group: Any) -> None:
+        self.engine = optimizer.engine
+        self.mode = mode
+        self.group = group
+        self.groups = {p: g for g in optimizer.param_groups for p in g["params"]}
+        self.sent = 0
+        self._unread = 0
+
+    def take_sent(self) -> int:
+        """The bytes all-reduced since the last call (a training step's, read after it)."""
+        sent, self._unread = self._unread, 0
+        return sent
+
+    def reduce(self, bucket: Any) -> torch.futures.Future:
+        """The hook's work for one DDP bucket: one all-reduce of what each of its gradients
+        contributes, averaged over the processes, written back into the bucket."""
+        pieces: list[Tensor] = []
+        writes: list[tuple[Tensor, torch.Size | None]] = []
+        packed = []
+        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            shapes = self._contribute(param, grad, pieces, writes)
+            if any(shape is not None for shape in shapes):
+                packed.append((param, shapes))
+        whole = not packed
+        flat = bucket.buffer() if whole else torch.cat(pieces)
+        flat.div_(torch.distributed.get_world_size(self.group))
+        sent = flat.numel() * flat.element_size()
+        self.sent += sent
+        self._unread += sent
+        for param, shapes in packed:
+            self.engine.packed_gradients.pack(param, shapes)
+
+        def written_back(future: torch.futures.Future) -> Tensor:
+            if not whole:
+                _unpack(future.value()[0], writes)
+            return bucket.buffer()
+
+        return all_reduce_async(flat, self.group).then(written_back)
+
+    def _contribute(
+        self,
+        param: Tensor,
+        grad: Tensor,
+        pieces: list[Tensor],
+        writes: list[tuple[Tensor, torch.Size | None]],
+    ) -> list[torch.Size | None]:
+        """Add what ``param``'s gradient ``grad`` (a view of the bucket) sends, unit by unit
+        (each expert of a stacked parameter on its own): its projection where its step does
+        not need it whole, else itself. Returns the projections' shapes (None: whole)."""
+        group = self.groups.get(param)
+        if group is None or self.mode == "full":
+            pieces.append(grad.reshape(-1))
+            writes.append((grad, None))
+            return [None]
+        shapes: list[torch.Size | None] = []
+        for unit, part in self.engine.unit_gradients(param, group, grad):
+            projected = self.engine.projection_to_sync(unit, group, part)
+            sent = part if projected is None else projected.to(part.dtype)
+            pieces.append(sent.reshape(-1))
+            writes.append((part, None if projected is None else projected.shape))
+            shapes.append(writes[-1][1])
+        return shapes
+
+
+def _unpack(reduced: Tensor, writes: list[tuple[Tensor, torch.Size | None]]) -> None:
+    """Write the all-reduced pieces into their gradients: a whole gradient as it is, a
+    projection packed into the start of its gradient, the rest zeros."""
+    offset = 0
+    for grad, shape in writes:
+        size = grad.numel() if shape is None else shape.numel()
+        piece = reduced[offset : offset + size]
+        offset += size
+        if shape is None:
+            grad.copy_(piece.view_as(grad))
+            continue
+        flat = grad.view(-1)
+        flat[:size].copy_(piece)
+        flat[size:].zero_()
+
+
+# Unannotated: DDP checks a hook's annotations against its own classes, which postponed
+# annotations are not.
+def _hook(state: GradientSync, bucket):
+    return state.reduce(bucket)
+
+
+def _before_backward(engine: Any, param: Tensor) -> Callable[[Tensor], None]:
+    def check(_: Tensor) -> None:
+        engine.packed_gradients.before_backward(param)
+
+    return check
+
+
+def sync_gradients(model: nn.Module, optimizer: Any, mode: str = "auto", group: Any = None) -> GradientSync:
+    """Synchronize the gradients of ``model``, a ``DistributedDataParallel`` whose parameters
+    the slimopt ``optimizer`` updates, by slimopt's communication hook, and return its state
+    (``GradientSync``: the bytes it sends).
+
+    ``mode``: "projected" all-reduces the projections of GaLore-projected matrices between
+    their refreshes (exact up to the order of the sums; see the module docstring), "full" every
+    whole gradient as DDP does, "auto" projected where the optimizer projects gradients, else
+    full. ``group``: DDP's process group (default: all processes). Call it once per model,
+    before the first backward (DDP takes one communication hook).
+
+    Raises ``TypeError`` for a model that is not DDP or an optimizer that is not slimopt's, and
+    ``ValueError`` for an unknown ``mode`` and for "projected" with an optimizer that needs
+    whole gradients (unprojected ones, APOLLO's scaling, TACO), naming why."""
+    from slimopt.optimizers import SlimoptOptimizer
+
+    if mode not in GRAD_SYNCS:
+        raise ValueError(f"unknown gradient sync {mode!r}; valid: {', '.join(GRAD_SYNCS)}")
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TypeError(f"sync_gradients needs a DistributedDataParallel model, got {type(model).__name__}")
+    if not isinstance(optimizer, SlimoptOptimizer):
+        raise TypeError(f"sync_gradients needs a slimopt optimizer, got {type(optimizer).__name__}")
+    error = projected_sync_error(optimizer.param_groups, type(optimizer).__name__)
+    if mode == "projected" and error is not None:
+        raise ValueError(f"projected gradient sync: {error}; use full")
+    state = GradientSync(optimizer, "full" if mode == "full" or error else "projected", group)
+    model.register_comm_hook(state, _hook)
+    if state.mode == "projected":
+        for param in state.groups:
+            if param.requires_grad:
+                param.register_hook(_before_backward(optimizer.engine, param))
+    return state
