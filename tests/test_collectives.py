@@ -3,8 +3,8 @@
 NCCL takes only CUDA tensors, gloo CPU ones; a vote built with ``torch.tensor([...])`` lives on
 the CPU, which gloo accepts and NCCL rejects, so CPU tests alone cannot see the mistake. Here two
 gloo processes train (FSDP2 with a skipped step, refreshes, layer-wise clipping; DDP with shared
-refreshes; the training loop's loss sum) with torch.distributed's tensor collectives wrapped by
-a checker, under two policies:
+refreshes and projected gradient sync; the training loop's loss sum) with torch.distributed's
+tensor collectives wrapped by a checker, under two policies:
 
 - ``gloo``: every tensor slimopt hands to a collective is on the CPU;
 - ``nccl`` (pretended on the CPU): every such tensor was put on the group's device by
@@ -153,11 +153,12 @@ def _fsdp2(rank: int) -> None:
 
 def _ddp_spread(rank: int) -> None:
     """DDP with the refreshes shared out (each basis computed once, its status and factors
-    broadcast)."""
+    broadcast) and the gradients synchronized as projections (slimopt's communication hook)."""
     model = _model()
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = slimopt.build_optimizer(model, "galore_adamw", lr=3e-3, rank=8, update_proj_gap=2)
     slimopt.distributed.spread_refreshes(optimizer)
+    slimopt.distributed.sync_gradients(wrapped, optimizer, "projected")
     for step in range(3):
         batch = _batch(step, rank)
         wrapped(input_ids=batch, labels=batch).loss.backward()
@@ -205,13 +206,14 @@ def test_every_collective_has_its_tensors_on_the_backends_device(policy: str, tm
         # reached, so the check is not vacuous.
         expected = {
             "all_reduce in slimopt.collectives.all_reduce",
+            "all_reduce in slimopt.collectives.all_reduce_async",
             "broadcast in slimopt.collectives.broadcast",
         }
-        assert calls == expected, calls  # no collective of slimopt's bypasses the two helpers
+        assert calls == expected, calls  # no collective of slimopt's bypasses the helpers
         # Each place the defect's CPU tensors came from was reached: device flags voted on, a
         # decision agreed on, a gradient norm, refresh sketches, a shared basis and its status,
-        # the training loop's sum.
-        reached = {"finite_flags", "all_agree", "gradient_norm", "gram", "compute_on_owner", "sum"}
+        # the training loop's sum, a bucket of gradients and projections (DDP's hook).
+        reached = {"finite_flags", "all_agree", "gradient_norm", "gram", "compute_on_owner", "sum", "reduce"}
         assert reached <= set(result["callers"]), result["callers"]
 
 
