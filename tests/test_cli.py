@@ -469,6 +469,11 @@ def test_torchrun_trains_like_one_process_and_resumes(workspace: Path, tmp_path:
         assert "(proj_type right: FSDP2 splits the rows)" in finished.stderr
     summary = json.loads((two / "summary.json").read_text())
     assert summary["processes"] == 2 and len(summary["state_bytes_per_process"]) == 2
+    if strategy != "fsdp2":  # slimopt's hook all-reduces (and counts) the gradients
+        synced = {"ddp": "projected", "zero1": "full"}[strategy]  # --grad-sync auto's choice
+        assert f"{synced} gradient sync" in finished.stderr and summary["grad_sync"] == synced
+        assert f"{synced} gradient sync: " in finished.stdout
+        assert all(record["grad_sync_bytes"] > 0 for record in metrics(two))
     if strategy != "ddp":  # the state is split: each process holds part of it
         assert (
             max(summary["state_bytes_per_process"])
@@ -618,6 +623,22 @@ def test_distributed_flags_fail_in_one_line(workspace: Path, tmp_path: Path, cap
     argv = ["train", "--distributed", "ddp", "--layerwise", *run_args(workspace, tmp_path / "b")]
     assert main(argv) == 2
     assert "--layerwise with --distributed ddp: DDP averages gradients" in capsys.readouterr().err
+    galore = ("--optimizer", "galore_adamw")
+    refusals = {
+        ("--optimizer", "apollo_adamw"): "--grad-sync projected: apollo_adamw scales each raw gradient",
+        ("--optimizer", "adamw8bit"): "--grad-sync projected: adamw8bit projects no gradient",
+        ("--optimizer", "taco"): "--grad-sync projected: taco sketches each whole gradient",
+        (*galore, "--distributed", "fsdp2"): "--grad-sync projected with --distributed fsdp2: FSDP2 reduce",
+        (*galore, "--distributed", "zero1"): "--grad-sync projected with --distributed zero1: each ZeRO-1",
+        # Refused once the run knows it is one process (not under torchrun).
+        galore: "--grad-sync projected with one process: projections are synchronized among DDP's",
+    }
+    for flags, message in refusals.items():
+        argv = ["train", "--grad-sync", "projected", *flags, *run_args(workspace, tmp_path / "c")]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert not any((tmp_path / name).exists() for name in "abc")
     argv = ["train", "--distributed", "zero1", "--dtype", "int8", *run_args(workspace, tmp_path / "c")]
     assert main(argv) == 2
     assert "--dtype int8 with --distributed zero1: int8 weights train in one" in capsys.readouterr().err

@@ -28,6 +28,7 @@ from slimopt.cli.bench import add_bench_flags, run_bench
 from slimopt.cli.memory import add_memory_flags, run_memory
 from slimopt.cli.train import PRESETS, add_run_flags, first_process, make_config, run_compare, run_train
 from slimopt.distributed import STRATEGIES
+from slimopt.distributed.grad_sync import GRAD_SYNCS
 from slimopt.registry import available_optimizers
 from slimopt.train.config import read_config_file
 
@@ -63,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("none", *STRATEGIES),
         help="under torchrun: ddp (the default there), zero1 (optimizer state split over the "
         "processes) or fsdp2 (parameters, gradients and state split by rows); none: one process",
+    )
+    train.add_argument(
+        "--grad-sync",
+        choices=GRAD_SYNCS,
+        help="under ddp: all-reduce a GaLore-projected matrix's projection instead of its gradient "
+        "between refreshes (projected), every whole gradient (full), or projected where the optimizer "
+        "projects (auto, the default)",
     )
     add_run_flags(train)
     compare = commands.add_parser("compare", help="train the same model with several optimizers and compare")

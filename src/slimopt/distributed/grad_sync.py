@@ -34,16 +34,27 @@ from slimopt.collectives import all_reduce_async
 GRAD_SYNCS = ("auto", "full", "projected")
 
 
-def projected_sync_error(groups: list[dict[str, Any]], name: str) -> str | None:
-    """Why an optimizer (``name``) with param ``groups`` cannot synchronize projections, or
-    None: some group projects its gradients GaLore's way (a ``rank``, no ``scale_type``)."""
-    if any("rank" in group and group.get("scale_type") is None for group in groups):
+def projected_sync_error(name: str, *, projects: bool, scales: bool) -> str | None:
+    """Why optimizer ``name`` cannot synchronize projections, or None: some of its groups
+    ``projects`` gradients GaLore's way (a ``rank``, no ``scale_type``). ``scales``: some group
+    scales the raw gradient by a projected direction (APOLLO's ``scale_type``)."""
+    if projects:
         return None
-    if any(group.get("scale_type") is not None for group in groups):
+    if scales:
         return f"{name} scales each raw gradient by its projected direction (APOLLO), so it needs them whole"
-    if any(group.get("rule") == "taco" for group in groups) or name.lower() == "taco":
+    if name.lower() == "taco":
         return "taco sketches each whole gradient, so it needs them whole"
     return f"{name} projects no gradient, so it needs them whole"
+
+
+def optimizer_sync_error(optimizer: Any) -> str | None:
+    """``projected_sync_error`` of a slimopt ``optimizer``, from its param groups."""
+    groups = optimizer.param_groups
+    return projected_sync_error(
+        type(optimizer).__name__,
+        projects=any("rank" in group and group["scale_type"] is None for group in groups),
+        scales=any("rank" in group and group["scale_type"] is not None for group in groups),
+    )
 
 
 class GradientSync:
@@ -166,7 +177,7 @@ def sync_gradients(model: nn.Module, optimizer: Any, mode: str = "auto", group: 
         raise TypeError(f"sync_gradients needs a DistributedDataParallel model, got {type(model).__name__}")
     if not isinstance(optimizer, SlimoptOptimizer):
         raise TypeError(f"sync_gradients needs a slimopt optimizer, got {type(optimizer).__name__}")
-    error = projected_sync_error(optimizer.param_groups, type(optimizer).__name__)
+    error = optimizer_sync_error(optimizer)
     if mode == "projected" and error is not None:
         raise ValueError(f"projected gradient sync: {error}; use full")
     state = GradientSync(optimizer, "full" if mode == "full" or error else "projected", group)

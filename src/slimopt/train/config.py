@@ -12,7 +12,9 @@ import torch
 
 from slimopt.checks import beyond_float32, number
 from slimopt.distributed import STRATEGIES, strategy_error
+from slimopt.distributed.grad_sync import GRAD_SYNCS, projected_sync_error
 from slimopt.layerwise import check_refresh_from
+from slimopt.registry import OPTIMIZERS, resolve_name
 from slimopt.train.rundir import default_out
 from slimopt.weight_formats import optimizer_options, weight_dtype
 
@@ -49,6 +51,9 @@ class TrainConfig:
     # Under torchrun: ddp (the default with several processes), zero1 or fsdp2; "none": one process.
     distributed: str | None = None
     refresh_from: str = "step"  # layer-wise: a refresh sees the step's gradient or its first micro-batch's
+    # Under DDP: all-reduce GaLore projections (projected), whole gradients (full), or projected
+    # where the optimizer projects (auto); slimopt.distributed.grad_sync.
+    grad_sync: str = "auto"
     validation_fraction: float = 0.05
     max_documents: int | None = None
     optimizer_options: dict[str, Any] = field(default_factory=dict)  # rank, states, weight_decay, …
@@ -82,6 +87,7 @@ class TrainConfig:
         if self.distributed is not None and self.distributed not in ("none", *STRATEGIES):
             valid = ", ".join(("none", *STRATEGIES))
             raise ValueError(f"unknown --distributed {self.distributed!r}; valid: {valid}")
+        self._check_grad_sync()
         if self.distributed in STRATEGIES:
             self.check_strategy(self.distributed)
         if self.resume and not Path(self.resume).is_dir():
@@ -93,14 +99,40 @@ class TrainConfig:
         """Raise ``ValueError`` when this run cannot train with ``processes`` processes sharing
         it by ``strategy`` (None: one process; ``processes`` None: as many as ``--distributed``
         may start), naming the flags that chose them."""
-        error = strategy_error(strategy, weights=self.dtype, layerwise=self.layerwise)
+        error = strategy_error(
+            strategy, weights=self.dtype, layerwise=self.layerwise, grad_sync=self.grad_sync
+        )
         if error is not None:
             setting, reason = error
-            flag = f"--dtype {self.dtype}" if setting == "weights" else "--layerwise"
+            flag = {
+                "weights": f"--dtype {self.dtype}",
+                "layerwise": "--layerwise",
+                "grad_sync": f"--grad-sync {self.grad_sync}",
+            }[setting]
             how = f"--distributed {strategy}"
-            if processes is not None:
+            if strategy is None:
+                how = "one process"
+            elif processes is not None:
                 how = f"{processes} processes under torchrun ({strategy})"
             raise ValueError(f"{flag} with {how}: {reason}")
+
+    def _check_grad_sync(self) -> None:
+        """Raise ``ValueError`` for an unknown ``--grad-sync``, and for projected with an
+        optimizer that needs whole gradients (naming why)."""
+        if self.grad_sync not in GRAD_SYNCS:
+            raise ValueError(f"unknown --grad-sync {self.grad_sync!r}; valid: {', '.join(GRAD_SYNCS)}")
+        if self.grad_sync != "projected":
+            return
+        spec = OPTIMIZERS[resolve_name(self.optimizer)]
+        scale_type = dict(spec.options).get("scale_type", spec.cls.projection_defaults.get("scale_type"))
+        scale_type = self.optimizer_options.get("scale_type", scale_type)
+        error = projected_sync_error(
+            self.optimizer,
+            projects=spec.projected and scale_type is None,
+            scales=spec.projected and scale_type is not None,
+        )
+        if error is not None:
+            raise ValueError(f"--grad-sync projected: {error}; use --grad-sync full or auto")
 
     def optimizer_settings(self) -> dict[str, Any]:
         """The optimizer's options: ``optimizer_options`` and what the weights' dtype needs."""

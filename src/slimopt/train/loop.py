@@ -172,6 +172,7 @@ class _Run:
     model: nn.Module
     wrapped: nn.Module
     optimizer: Any
+    sync: Any  # slimopt's gradient sync under DDP and ZeRO-1 (its bytes), else None
     schedule: Any
     batches: Batches
     checkpoint: Path | None  # the one resumed from
@@ -196,6 +197,7 @@ def _prepare(config: TrainConfig, parallel: Parallel, data: Data | None) -> _Run
     model = build_model(config, tokenizer.vocab_size).to(device)
     wrapped = parallel.wrap(model)
     optimizer = parallel.optimizer(model, config.optimizer, config.lr, config.optimizer_settings())
+    sync = parallel.sync_gradients(wrapped, optimizer, config.grad_sync)
     note = _record_choices(config, getattr(optimizer, "optim", optimizer), parallel)
     warmup = int(config.warmup * config.steps) if config.warmup < 1 else int(config.warmup)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -209,8 +211,8 @@ def _prepare(config: TrainConfig, parallel: Parallel, data: Data | None) -> _Run
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
     return _Run(
-        config, parallel, out, device, tokenizer, validation_rows, model, wrapped, optimizer, schedule,
-        batches, checkpoint, start_step, note,
+        config, parallel, out, device, tokenizer, validation_rows, model, wrapped, optimizer, sync,
+        schedule, batches, checkpoint, start_step, note,
     )  # fmt: skip
 
 
@@ -261,7 +263,8 @@ def _train(run: _Run, progress: bool, label: str | None) -> dict[str, Any]:
     parameters = sum(p.numel() for p in model.parameters())
     where = str(run.device)
     if parallel.strategy is not None:
-        where = f"{parallel.world} processes ({parallel.strategy}, {run.device.type})"
+        synced = "" if run.sync is None else f", {run.sync.mode} gradient sync"
+        where = f"{parallel.world} processes ({parallel.strategy}, {run.device.type}{synced})"
     paths = getattr(getattr(optimizer, "optim", optimizer), "fused_path", [])
     fused = " (fused step)" if paths and all(path == "fused" for path in paths) else ""
     say(
@@ -306,6 +309,9 @@ def _train(run: _Run, progress: bool, label: str | None) -> dict[str, Any]:
             "state_bytes_per_process": state_bytes,
             "peak_memory_bytes_per_process": peaks,
         }
+    sent = [r["grad_sync_bytes"] for r in history if "grad_sync_bytes" in r]
+    if run.sync is not None and sent:
+        summary |= {"grad_sync": run.sync.mode, "grad_sync_bytes_per_step": sum(sent) / len(sent)}
     write_atomically(out / "summary.json", json.dumps(summary, indent=1))
     return _finished(summary)
 
@@ -389,11 +395,14 @@ def _step(run: _Run, step: int, handle: Any, interrupt: _Interrupt) -> tuple[dic
     # state and bases, the second is a steady step (what slimopt memory plans).
     tracker = track_memory(model, optimizer) if device.type == "cpu" and step <= run.start_step + 2 else None
     with tracker or contextlib.nullcontext():
-        for _ in range(accumulation):
+        for index in range(accumulation):
             batch = parallel.take(run.batches.take(micro * parallel.world)).to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-                micro_loss = run.wrapped(input_ids=batch, labels=batch).loss / accumulation
-            micro_loss.backward()
+            # Gradients are synchronized once per step, by the last micro-batch's backward.
+            last = index == accumulation - 1
+            with contextlib.nullcontext() if last else parallel.no_sync(run.wrapped):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+                    micro_loss = run.wrapped(input_ids=batch, labels=batch).loss / accumulation
+                micro_loss.backward()
             loss += micro_loss.item()
             del batch, micro_loss
         if handle is None:
@@ -411,6 +420,8 @@ def _step(run: _Run, step: int, handle: Any, interrupt: _Interrupt) -> tuple[dic
         "lr": lr,
         "tokens_per_s": tokens / (time.perf_counter() - began),
     }
+    if run.sync is not None:
+        record["grad_sync_bytes"] = run.sync.take_sent()  # this process's, for the step's gradients
     if tracker is not None:
         record["memory_bytes"] = tracker.peak
     elif device.type == "cuda":

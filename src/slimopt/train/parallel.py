@@ -18,6 +18,7 @@ very batches one process would.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +115,26 @@ class Parallel:
         if self.strategy == "ddp" and OPTIMIZERS[resolve_name(name)].projected:
             spread_refreshes(optimizer)  # each process finds 1/N of the bases; bit-identical
         return optimizer
+
+    def sync_gradients(self, wrapped: nn.Module, optimizer: Any, mode: str) -> Any:
+        """slimopt's gradient sync (``slimopt.distributed.grad_sync``) on the DDP model
+        ``wrapped`` by ``mode``, counting the bytes it sends; None where the strategy synchronizes
+        otherwise (one process, FSDP2's reduce-scatter). ZeRO-1's processes all-reduce whole
+        gradients (each holds only its own matrices' bases)."""
+        from slimopt.distributed.grad_sync import sync_gradients
+
+        if self.strategy not in ("ddp", "zero1"):
+            return None
+        if self.strategy == "zero1":
+            return sync_gradients(wrapped, optimizer.optim, "full")
+        return sync_gradients(wrapped, optimizer, mode)
+
+    def no_sync(self, wrapped: nn.Module) -> Any:
+        """A context in which a backward accumulates gradients without synchronizing them: all
+        but the last micro-batch of a step (DDP's ``no_sync``; nothing to skip otherwise)."""
+        if self.strategy in ("ddp", "zero1"):
+            return wrapped.no_sync()
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         if self.strategy is not None and dist.is_initialized():

@@ -24,6 +24,11 @@ def describe(summary: dict[str, Any]) -> str:
         f"  optimizer state {summary['state_bytes'] / 2**20:.2f} MiB, peak memory "
         f"{summary['peak_memory_bytes'] / 2**20:.1f} MiB, {summary['tokens_per_s']:.0f} tokens/s"
     )
+    if "grad_sync" in summary:
+        lines.append(
+            f"  {summary['grad_sync']} gradient sync: {summary['grad_sync_bytes_per_step'] / 2**20:.2f} MiB "
+            "all-reduced per step by each process"
+        )
     lines.append(f"  files in {summary['out']}: config.json, metrics.jsonl, summary.json, checkpoints/")
     return "\n".join(lines)
 
