@@ -55,13 +55,14 @@ def _train(
     accumulation: int = 1,
     clip: float = 0.0,
     loopback: bool = False,
+    stagger: bool = True,
 ) -> dict:
     """``STEPS`` steps of DDP over ``model`` with gradient sync ``mode``: the parameters, the
     bytes sent per step, and with ``clip`` the norms the clip saw beside the norm of what the
     optimizer reads, found without DDP; with ``loopback`` the bytes the steps sent over the
     loopback interface (``_loopback_sent``)."""
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = slimopt.build_optimizer(model, name, lr=3e-3, **OPTIONS)
+    optimizer = slimopt.build_optimizer(model, name, lr=3e-3, **OPTIONS, stagger=stagger)
     sync = sync_gradients(ddp, optimizer, mode)
     sent, norms, expected = [], [], []
     dist.barrier()
@@ -172,6 +173,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             results["clipped", mode] = _train(_llama(), "galore_adamw", mode, rank, clip=1e-3)
             run = _train(_llama(), "galore_adamw", mode, rank, loopback=True)
             results["loopback", mode] = (sum(run["sent"]), run["loopback"])
+        results["unstaggered"] = _train(_llama(), "galore_adamw", "projected", rank, stagger=False)
         results["misuse"] = _misuse(rank)
         torch.save(results, Path(out) / f"rank{rank}.pt")
     except Exception:
@@ -230,6 +232,31 @@ def test_the_bytes_counted_are_the_bytes_sent(ranks: list[dict]) -> None:
         # Each of the 2 processes sends its all-reduce's bytes once; gloo's headers and the
         # barriers add a little.
         assert WORLD * counted <= measured < WORLD * counted * 1.02 + 100_000, mode
+
+
+@pytest.mark.slow
+def test_the_planner_counts_the_bytes_exactly(ranks: list[dict], tmp_path: Path) -> None:
+    """``slimopt memory --distributed ddp``'s gradient-sync bytes are the hook's counts: full
+    sync's at every step; projected sync's at a step that refreshes no basis, and on average
+    over a gap of update_proj_gap steps, in which each matrix is refreshed (sent whole) once."""
+    from slimopt.planner import plan_memory
+
+    _llama().config.save_pretrained(tmp_path)
+    plan = plan_memory(
+        str(tmp_path), "galore_adamw", dtype="fp32", vocab_size=257, seq_len=32, distributed="ddp",
+        processes=WORLD, **OPTIONS,
+    )  # fmt: skip
+    sync = plan.grad_sync
+    assert ranks[0]["galore_adamw", "full"]["sent"] == [sync.full] * STEPS
+    unstaggered = ranks[0]["unstaggered"]["sent"]  # every basis refreshed at steps 1 and 4
+    assert unstaggered == [sync.full, sync.steady, sync.steady, sync.full, sync.steady, sync.steady]
+    gap = OPTIONS["update_proj_gap"]
+    staggered = ranks[0]["galore_adamw", "projected"]["sent"]
+    assert sum(staggered[1 : 1 + gap]) == pytest.approx(gap * sync.per_step, rel=1e-12)
+    assert (
+        "gradient sync per step and process (ddp): full 0.5 MiB; projected 0.4 MiB on average"
+        in plan.report()
+    )
 
 
 @pytest.mark.slow

@@ -21,12 +21,15 @@ second synchronized backward before the step, or the next one without ``zero_gra
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from slimopt.codecs.slicing import matrix_shape
 from slimopt.collectives import all_reduce_async
+from slimopt.projection import Basis, projected_shape, sides
 
 # What ``sync_gradients`` (``slimopt train --grad-sync``) accepts: "projected" all-reduces the
 # projections of GaLore-projected matrices between refreshes, "full" every whole gradient (as
@@ -55,6 +58,62 @@ def optimizer_sync_error(optimizer: Any) -> str | None:
         projects=any("rank" in group and group["scale_type"] is None for group in groups),
         scales=any("rank" in group and group["scale_type"] is not None for group in groups),
     )
+
+
+@dataclass(frozen=True)
+class SyncBytes:
+    """The bytes one process all-reduces for a step's gradients under DDP (those of every
+    trainable parameter): ``full`` every gradient whole; with projected sync ``steady`` at a
+    step that refreshes no basis, and ``per_step`` on average (each projected matrix whole
+    once every ``update_proj_gap`` steps, at its refresh); both None where the optimizer needs
+    whole gradients."""
+
+    full: int
+    steady: int | None
+    per_step: float | None
+
+
+def step_bytes(model: nn.Module, optimizer: Any) -> SyncBytes:
+    """``SyncBytes`` of training ``model`` with the slimopt ``optimizer`` (built on the meta
+    device will do: only shapes are read)."""
+    projects = optimizer_sync_error(optimizer) is None
+    engine = optimizer.engine
+    groups = {p: g for g in optimizer.param_groups for p in g["params"]}
+    full = steady = 0
+    per_step = 0.0
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        size = param.element_size()
+        full += param.numel() * size
+        group = groups.get(param)
+        units = [] if group is None or not projects else engine.unit_gradients(param, group, param)
+        if not units:
+            steady += param.numel() * size
+            per_step += param.numel() * size
+        for unit, _ in units:
+            whole = unit.numel() * size
+            plan = engine.plan_of(unit, group)
+            if not plan.projected or plan.scales_gradient:
+                steady += whole
+                per_step += whole
+                continue
+            projected, gap = _projected_numel(plan) * size, group["update_proj_gap"]
+            steady += projected
+            per_step += whole / gap + projected * (gap - 1) / gap
+    return SyncBytes(full, steady if projects else None, per_step if projects else None)
+
+
+def _projected_numel(plan: Any) -> int:
+    """The elements of a projected unit's gradient in its basis (``projection.projected_shape``
+    of the factors its ``proj_type`` uses)."""
+    shape = matrix_shape(plan.shape)
+    uses = sides(shape, plan.group["proj_type"])
+    factors = (
+        torch.empty(f.shape, device="meta") if used else None
+        for f, used in zip(plan.basis_storage, uses, strict=True)
+    )
+    return projected_shape(shape, Basis(*factors)).numel()
 
 
 class GradientSync:

@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from slimopt.distributed.grad_sync import SyncBytes
 from slimopt.planner.setting import PlanSetting
 from slimopt.registry import rank_origin
 
@@ -43,6 +44,7 @@ class MemoryPlan:
     gpu_memory_bytes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     per_process: dict[str, int] | None = None  # process 0's terms and peak under ``distributed``
+    grad_sync: SyncBytes | None = None  # the bytes a process all-reduces per step, DDP and ZeRO-1
 
     @property
     def fits(self) -> bool | None:
@@ -107,6 +109,8 @@ class MemoryPlan:
             lines.append(
                 f"optimizer state and bases kept between steps: {_size(terms['state_between_steps'])}"
             )
+        if self.grad_sync is not None:
+            lines.append(_sync_line(self.grad_sync, s.distributed))
         if self.gpu_memory_bytes is not None:
             verdict = "fits" if self.fits else "does not fit"
             lines.append(
@@ -114,6 +118,18 @@ class MemoryPlan:
                 f"{_size(peak + CUDA_OVERHEAD_BYTES)} with 1 GiB for CUDA's context and allocator)"
             )
         return "\n".join(lines)
+
+
+def _sync_line(sync: SyncBytes, strategy: str | None) -> str:
+    """How many bytes each process all-reduces per step for the gradients."""
+    line = f"gradient sync per step and process ({strategy}): full {_size(sync.full)}"
+    if sync.per_step is None:
+        return line if strategy == "ddp" else f"{line} (ZeRO-1: each process holds its own bases only)"
+    fewer = sync.full / sync.per_step
+    return (
+        f"{line}; projected {_size(sync.per_step)} on average ({_size(sync.steady)} at a step that "
+        f"refreshes no basis; a matrix is sent whole at its refreshes), {fewer:.1f}× fewer"
+    )
 
 
 def _size(nbytes: int) -> str:

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from slimopt.codecs.slicing import as_on_a_gpu
 from slimopt.core.state import is_basis_key
+from slimopt.distributed.grad_sync import step_bytes
 from slimopt.layerwise import layerwise
 from slimopt.memory import LiveBytes, storage_nbytes, storages
 from slimopt.meta_run import MetaRun
@@ -79,10 +80,14 @@ def run(setting: PlanSetting, device: torch.device, progress: bool = False) -> M
         handle.remove()
     between_steps = categorize()
     at_peak = {term: snapshot["terms"][term] for term in TERMS}
-    processes = None
+    processes = sync = None
     if setting.distributed is not None:
         parameters = parameter_bytes(model, optimizer)
         processes = per_process(at_peak, parameters, setting.distributed, setting.processes)
+    if setting.distributed in ("ddp", "zero1"):
+        sync = step_bytes(model, optimizer)
+        if setting.distributed == "zero1":  # whole gradients (each process holds its bases only)
+            sync = replace(sync, steady=None, per_step=None)
     return MemoryPlan(
         setting=_with_chosen_rank(setting, optimizer),
         parameters=sum(p.numel() for p in params),
@@ -100,6 +105,7 @@ def run(setting: PlanSetting, device: torch.device, progress: bool = False) -> M
         cuda_max_memory_allocated=cuda_peak,
         gpu_memory_bytes=None if setting.gpu_memory_gib is None else int(setting.gpu_memory_gib * 2**30),
         per_process=processes,
+        grad_sync=sync,
     )
 
 
