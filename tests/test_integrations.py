@@ -147,6 +147,27 @@ def test_optim_args_are_typed_and_bad_ones_are_named() -> None:
         parse_optim_args("rank")
 
 
+def test_grad_sync_in_optim_args_is_the_trainers_and_checked_before_training(tmp_path) -> None:
+    """optim_args' grad_sync is the Trainer's (how DDP synchronizes), not the optimizer's; a bad
+    value is named, and projected sync where it cannot run is refused when the optimizer is made."""
+    assert parse_optim_args("rank=8,grad_sync=full") == {"rank": 8, "grad_sync": "full"}
+    with pytest.raises(ValueError, match="optim_args grad_sync='half'; valid: auto, full, projected"):
+        parse_optim_args("grad_sync=half")
+    optimizer = create_optimizer(
+        tiny_llama(), _args(tmp_path, optim_args="rank=8,grad_sync=full"), "galore_adamw"
+    )
+    assert "grad_sync" not in optimizer.param_groups[0]
+    for name, reason in (("galore_adamw", "there is one process"), ("adamw8bit", "projects no gradient")):
+        trainer = SlimoptTrainer(
+            model=tiny_llama(),
+            args=_args(tmp_path / name, optim_args="grad_sync=projected"),
+            train_dataset=ShakespeareRows(torch.zeros(1000, dtype=torch.long)),
+            optimizer_name=name,
+        )
+        with pytest.raises(ValueError, match=f"optim_args grad_sync=projected: .*{reason}"):
+            trainer.create_optimizer()
+
+
 def test_an_infinite_limiter_in_optim_args_is_refused(tmp_path) -> None:
     """optim_args="norm_growth_limit=inf" turned APOLLO's weights NaN at the second step."""
     args = _args(tmp_path, optim="apollo_adamw", optim_args="norm_growth_limit=inf")
@@ -341,7 +362,9 @@ def test_qlora_with_4bit_base_weights_trains_with_ternary_states(shakespeare_tok
 @pytest.mark.slow  # two torchrun launches: about 30 s
 def test_trainer_under_torchrun_ddp(tmp_path) -> None:
     """SlimoptTrainer under torchrun (accelerate's DDP): it trains, the two processes end with
-    the very same parameters; a layer-wise name is refused, saying to use FSDP2."""
+    the very same parameters, its gradients synchronized as projections by itself (with
+    grad_sync=full in optim_args, whole, and more bytes); a layer-wise name is refused, saying to
+    use FSDP2."""
     import json
     import os
     import subprocess
@@ -357,11 +380,16 @@ def test_trainer_under_torchrun_ddp(tmp_path) -> None:
         str(script),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name in ("galore_adamw8bit", "galore_adamw8bit_layerwise"):
-        out = tmp_path / name
+    sent = {}
+    for name, optim_args in (
+        ("galore_adamw8bit", ""),
+        ("galore_adamw8bit", "rank=8,update_proj_gap=4,grad_sync=full"),
+        ("galore_adamw8bit_layerwise", ""),
+    ):
+        out = tmp_path / f"{name}-{optim_args}"
         out.mkdir()
         finished = subprocess.run(
-            [*command, str(out), name], capture_output=True, text=True, timeout=300, env=env
+            [*command, str(out), name, optim_args], capture_output=True, text=True, timeout=300, env=env
         )
         assert finished.returncode == 0, finished.stderr[-3000:]
         first, second = (json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1))
@@ -372,6 +400,8 @@ def test_trainer_under_torchrun_ddp(tmp_path) -> None:
         assert first["optimizer"] == "GaLoreAdamW8bit"
         assert first["parameters"] == second["parameters"]
         assert len(first["losses"]) == 8 and first["losses"][-1] < first["losses"][0] - 1.0
+        sent[first["grad_sync"]] = first["grad_sync_bytes"]
+    assert 0 < sent["projected"] < sent["full"]
 
 
 def test_taco_layerwise_trains_under_the_trainer(shakespeare_tokens, tmp_path) -> None:

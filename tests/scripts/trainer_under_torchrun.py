@@ -1,7 +1,7 @@
 """Run by ``test_integrations`` under ``torchrun``: SlimoptTrainer (DDP through accelerate) on a
 tiny LLaMA; each process writes its losses and a digest of its parameters to ``<out>/rank<N>.json``.
 
-    torchrun --standalone --nproc_per_node 2 tests/scripts/trainer_under_torchrun.py OUT OPTIMIZER
+    torchrun --standalone --nproc_per_node 2 tests/scripts/trainer_under_torchrun.py OUT NAME [OPTIM_ARGS]
 """
 
 from __future__ import annotations
@@ -20,18 +20,19 @@ from tests.conftest import tiny_llama
 from tests.test_integrations import ShakespeareRows, _args
 
 
-def main(out: str, name: str) -> None:
+def main(out: str, name: str, optim_args: str | None = None) -> None:
     from slimopt.integrations.transformers import SlimoptTrainer
     from slimopt.train.corpus import load_corpus
 
     text = "".join(document.text for document in load_corpus("shakespeare"))[:200_000]
     tokens = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
     rank = int(os.environ["RANK"])
+    overrides = {"optim_args": optim_args} if optim_args else {}
     record: dict = {}
     try:
         trainer = SlimoptTrainer(
             model=tiny_llama(),
-            args=_args(Path(out) / "trainer", per_device_train_batch_size=2),
+            args=_args(Path(out) / "trainer", per_device_train_batch_size=2, **overrides),
             train_dataset=ShakespeareRows(tokens),
             optimizer_name=name,
         )
@@ -43,6 +44,8 @@ def main(out: str, name: str) -> None:
             "losses": [r["loss"] for r in trainer.state.log_history if "loss" in r],
             "parameters": digest.hexdigest(),
             "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
+            "grad_sync": None if trainer.grad_sync is None else trainer.grad_sync.mode,
+            "grad_sync_bytes": None if trainer.grad_sync is None else trainer.grad_sync.sent,
         }
     except RuntimeError as error:
         record = {"error": str(error)}

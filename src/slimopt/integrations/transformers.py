@@ -21,6 +21,12 @@ of a quarter of the matrices' smaller side).
 Unlike Hugging Face, an ``optim_target_modules`` that matches no module is an error, never a
 silently unprojected model; for a projecting optimizer without ``optim_target_modules`` the
 attention and MLP linear layers are projected (every linear layer but the output head).
+
+Under accelerate's DDP, ``SlimoptTrainer`` synchronizes the gradients by slimopt's communication
+hook (``slimopt.distributed.sync_gradients``): a projecting optimizer's matrices send their
+projections between refreshes. ``optim_args`` key ``grad_sync`` (``auto``, the default;
+``projected``; ``full``, every gradient whole, as DDP alone) chooses; ``trainer.grad_sync``
+counts the bytes.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 
 from torch import nn
 
+from slimopt.distributed.grad_sync import GRAD_SYNCS, GradientSync, optimizer_sync_error, sync_gradients
 from slimopt.layerwise import LayerwiseHandle, check_refresh_from, layerwise
 from slimopt.optimizers import TERNARY_BETAS, AdamWTernary, GaLoreAdafactor, SlimoptOptimizer
 from slimopt.options import OPTION_TYPES, parse_option
@@ -54,6 +61,9 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
 LAYERWISE_SUFFIX = "_layerwise"
 # Hugging Face's optim_args keys that slimopt spells otherwise (APOLLO's "proj": random or svd).
 OPTIM_ARGS_ALIASES = {"proj": "proj_method"}
+# optim_args keys of the Trainer's run rather than of the optimizer: how DDP synchronizes the
+# gradients (slimopt.distributed.grad_sync; auto: projections where the optimizer projects).
+RUN_KEYS = {"grad_sync": str}
 
 
 def optimizer_names() -> list[str]:
@@ -105,8 +115,13 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
         if not separator or not value:
             raise ValueError(f"optim_args item {item.strip()!r} is not key=value")
         key = OPTIM_ARGS_ALIASES.get(key, key)
+        if key in RUN_KEYS:
+            if value not in GRAD_SYNCS:
+                raise ValueError(f"optim_args grad_sync={value!r}; valid: {', '.join(GRAD_SYNCS)}")
+            options[key] = value
+            continue
         if key not in OPTION_TYPES:
-            valid = ", ".join([*OPTION_TYPES, *OPTIM_ARGS_ALIASES])
+            valid = ", ".join([*OPTION_TYPES, *OPTIM_ARGS_ALIASES, *RUN_KEYS])
             raise ValueError(f"unknown optim_args key {key!r}; valid: {valid}")
         try:
             options[key] = parse_option(key, value)
@@ -132,6 +147,7 @@ def create_optimizer(
     spelled = trainer_optimizer_name(args, name)
     base, _ = split_name(spelled)
     options = parse_optim_args(getattr(args, "optim_args", None))
+    options.pop("grad_sync", None)  # the Trainer's (SlimoptTrainer), not the optimizer's
     plain = spelled.removesuffix(LAYERWISE_SUFFIX)
     from_args = spelled == getattr(args.optim, "value", args.optim)  # TrainingArguments.optim's
     if from_args or plain not in OPTIMIZERS:  # Hugging Face's name: Hugging Face's defaults
@@ -182,10 +198,17 @@ class SlimoptTrainer(Trainer):
         check_refresh_from(refresh_from, self.layerwise, f"use {self.optimizer_name}{LAYERWISE_SUFFIX}")
         self.refresh_from = refresh_from
         self.layerwise_handle: LayerwiseHandle | None = None
+        # How DDP synchronizes the gradients (optim_args grad_sync), and the hook's state once
+        # the first step has found the model wrapped in DDP (``training_step``).
+        optim_args = parse_optim_args(getattr(self.args, "optim_args", None))
+        self.grad_sync_mode = optim_args.get("grad_sync", "auto")
+        self.grad_sync: GradientSync | None = None
+        self._sync_registered = False
 
     def create_optimizer(self, model: nn.Module | None = None) -> SlimoptOptimizer:
         """Create the slimopt optimizer (once) and, for a ``_layerwise`` name, its hooks; raises
-        ``ValueError`` for int8 weights in a run of several processes (they train in one)."""
+        ``ValueError`` for int8 weights in a run of several processes (they train in one) and
+        for optim_args ``grad_sync=projected`` where it cannot run (``_check_grad_sync``)."""
         if self.optimizer is None:
             used = self.model if model is None else model
             if self.args.world_size > 1 and any(isinstance(p, Int8Weight) for p in used.parameters()):
@@ -195,6 +218,7 @@ class SlimoptTrainer(Trainer):
             plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
             rows_split = plugin is not None and getattr(plugin, "fsdp_version", 1) == 2
             self.optimizer = create_optimizer(used, self.args, self.optimizer_name, rows_split=rows_split)
+            self._check_grad_sync(self.optimizer)
             if self.layerwise:
                 self.layerwise_handle = layerwise(
                     self.optimizer,
@@ -203,6 +227,34 @@ class SlimoptTrainer(Trainer):
                     refresh_from=self.refresh_from,
                 )
         return self.optimizer
+
+    def training_step(self, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's step; the first one, which finds ``model`` wrapped by accelerate, registers
+        slimopt's gradient sync (``self.grad_sync``) on a ``DistributedDataParallel`` model:
+        optim_args ``grad_sync`` auto (projections where the optimizer projects), projected or
+        full."""
+        if not self._sync_registered:
+            self._sync_registered = True
+            if isinstance(model, nn.parallel.DistributedDataParallel):
+                optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+                self.grad_sync = sync_gradients(model, optimizer, self.grad_sync_mode)
+        return super().training_step(model, *args, **kwargs)
+
+    def _check_grad_sync(self, optimizer: SlimoptOptimizer) -> None:
+        """Raise ``ValueError`` for optim_args ``grad_sync=projected`` where it cannot run: one
+        process, FSDP2, layer-wise updates, an optimizer that needs whole gradients."""
+        if self.grad_sync_mode != "projected":
+            return
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        reason = optimizer_sync_error(optimizer)
+        if reason is None and self.args.world_size == 1:
+            reason = "there is one process: projections are synchronized among DDP's processes"
+        elif reason is None and plugin is not None:
+            reason = "FSDP reduce-scatters whole gradients itself"
+        elif reason is None and self.layerwise:
+            reason = "layer-wise updates run before DDP synchronizes"
+        if reason is not None:
+            raise ValueError(f"optim_args grad_sync=projected: {reason}; use grad_sync=auto or full")
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
         # Layer-wise: the hooks clipped each tensor already; report the step's global norm
