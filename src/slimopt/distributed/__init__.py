@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slimopt.distributed.grad_sync import GradientSync, sync_gradients
 from slimopt.sharding import initialized, split_by_rows
 from slimopt.weight_formats.int8 import INT8_ONE_PROCESS, Int8Weight
 
@@ -110,14 +111,14 @@ def zero_redundancy_optimizer(model: nn.Module, name: str, *, lr: float | None, 
     return SlimoptZeroRedundancyOptimizer(groups, whole.engine.places(), optimizer_class=cls, **hyper)
 
 
-def sync_gradients(model: nn.Module, optimizer: Any, mode: str = "auto", group: Any = None) -> Any:
-    """Synchronize the gradients of ``model`` (DDP) as ``slimopt.distributed.grad_sync``
-    describes: the projections of GaLore-projected matrices between refreshes (``mode``
-    "projected", or "auto" where the optimizer projects), else whole; see
-    ``grad_sync.sync_gradients``."""
-    from slimopt.distributed.grad_sync import sync_gradients as register
-
-    return register(model, optimizer, mode, group)
+__all__ = [
+    "STRATEGIES",
+    "GradientSync",
+    "spread_refreshes",
+    "strategy_error",
+    "sync_gradients",
+    "zero_redundancy_optimizer",
+]
 
 
 def __getattr__(name: str) -> Any:
