@@ -66,6 +66,7 @@ def _measured(rank: int, world: int, strategy: str, name: str, options: dict, ar
     model = build_model(args.model, args.vocab, args.seq, weights="fp32")
     wrapped = parallel.wrap(model)
     optimizer = parallel.optimizer(model, name, 1e-3, options)
+    parallel.sync_gradients(wrapped, optimizer, "auto")  # as slimopt train synchronizes
     peak = 0
     for step in range(2):
         tracker = track_memory(model, optimizer)

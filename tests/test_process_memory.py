@@ -35,11 +35,16 @@ def test_ddp_adds_its_buckets_and_fsdp2_keeps_process_0s_rows() -> None:
 
 
 def test_zero1_splits_states_and_bases_by_ownership() -> None:
-    whole = _plan("galore_adamw8bit", 1, "zero1", **GALORE).per_process
-    split = _plan("galore_adamw8bit", 2, "zero1", **GALORE).per_process
+    """Each process keeps its own matrices' moments; with whole-gradient sync its own bases too,
+    with projected sync (auto's choice for GaLore) every basis (the others' followed)."""
+    whole = _plan("galore_adamw8bit", 1, "zero1", **GALORE, grad_sync="full").per_process
+    split = _plan("galore_adamw8bit", 2, "zero1", **GALORE, grad_sync="full").per_process
     assert split["weights"] == whole["weights"] and split["communication"] == whole["communication"]
     assert 0 < split["optimizer_states"] < whole["optimizer_states"]
     assert 0 < split["projection_bases"] < whole["projection_bases"]
+    followed = _plan("galore_adamw8bit", 2, "zero1", **GALORE).per_process
+    assert followed["optimizer_states"] == split["optimizer_states"]
+    assert followed["projection_bases"] == whole["projection_bases"]
 
 
 def test_bad_process_settings_are_named() -> None:

@@ -24,10 +24,18 @@ from torch.utils._pytree import tree_flatten
 
 def state_tensors(optimizer: Optimizer) -> list[Tensor]:
     """Every tensor in ``optimizer.state`` (step counters and other Python numbers left out); of a
-    ``ZeroRedundancyOptimizer``, this process's part (the optimizer it wraps)."""
-    optimizer = getattr(optimizer, "optim", optimizer)
+    ``ZeroRedundancyOptimizer``, this process's part: the optimizer it wraps, and of slimopt's, the
+    bases it follows too (``local_optimizers``)."""
+    if hasattr(optimizer, "local_optimizers"):
+        parts = optimizer.local_optimizers()
+    else:
+        parts = [getattr(optimizer, "optim", optimizer)]
     return [
-        value for state in optimizer.state.values() for value in state.values() if isinstance(value, Tensor)
+        value
+        for part in parts
+        for state in part.state.values()
+        for value in state.values()
+        if isinstance(value, Tensor)
     ]
 
 

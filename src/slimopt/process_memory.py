@@ -82,11 +82,18 @@ def parameter_bytes(model: nn.Module, optimizer: Any) -> list[ParameterBytes]:
 
 
 def per_process(
-    at_peak: dict[str, int], parameters: list[ParameterBytes], strategy: str, processes: int
+    at_peak: dict[str, int],
+    parameters: list[ParameterBytes],
+    strategy: str,
+    processes: int,
+    *,
+    every_basis: bool = False,
 ) -> dict[str, int]:
     """The terms of a one-process peak (``MemoryPlan.at_peak``) for process 0 of ``processes``
     under ``strategy``, with ``communication`` (buckets, gathered layers) and ``peak`` added,
     and ``state_between_steps``: the optimizer state and bases process 0 keeps between steps.
+    ``every_basis``: a ZeRO-1 process keeps every matrix's basis, not only its own (projected
+    gradient sync: ``slimopt.distributed.grad_sync``).
 
     Raises ``ValueError`` for an unknown strategy or a count below 1."""
     if strategy not in STRATEGIES:
@@ -102,9 +109,10 @@ def per_process(
         terms["communication"] = totals["gradient"]
     if strategy == "zero1":
         owned = _zero_partition(parameters, processes)[0]
-        kept = sum(p.states + p.basis for p in owned)
+        bases = totals["basis"] if every_basis else sum(p.basis for p in owned)
+        kept = sum(p.states for p in owned) + bases
         _scale(terms, "optimizer_states", sum(p.states for p in owned), totals["states"])
-        _scale(terms, "projection_bases", sum(p.basis for p in owned), totals["basis"])
+        _scale(terms, "projection_bases", bases, totals["basis"])
     if strategy == "fsdp2":
         share = {p.name: _first_chunk(p.rows, processes) / p.rows for p in parameters}
         kept = sum(p.states * share[p.name] + p.basis for p in parameters)

@@ -6,6 +6,7 @@ import argparse
 
 from slimopt.cli.options import DTYPE_HELP, OPTIMIZER_FLAGS, add_optimizer_flags, read_weight_dtype
 from slimopt.distributed import STRATEGIES
+from slimopt.distributed.grad_sync import GRAD_SYNCS
 from slimopt.layerwise import REFRESH_FROM
 from slimopt.models import LLAMA_PRESETS
 from slimopt.registry import available_optimizers
@@ -54,6 +55,13 @@ def add_memory_flags(parser: argparse.ArgumentParser) -> None:
         "--distributed", choices=STRATEGIES, help="how the processes share the work: ddp, zero1 or fsdp2"
     )
     parser.add_argument(
+        "--grad-sync",
+        choices=GRAD_SYNCS,
+        default="auto",
+        help="with --distributed ddp or zero1: how the gradients are synchronized (the bytes of "
+        "both are printed; under zero1 projected sync keeps every basis on every process); default auto",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print the plan as JSON (bytes, peak in peak_bytes)"
     )
     parser.add_argument(
@@ -79,6 +87,7 @@ def run_memory(args: argparse.Namespace) -> int:
         "gpu_memory_gib": args.gpu_memory,
         "processes": args.processes,
         "distributed": args.distributed,
+        "grad_sync": args.grad_sync,
         **options,
     }
     if args.measure is not None:

@@ -33,6 +33,7 @@ from slimopt.core.packed import PackedGradients
 from slimopt.core.plan import Place, Plan, PlanContext, make_plan
 from slimopt.core.record import Update, keep_raw
 from slimopt.core.refresh import agreed, refresh_due, refresh_when_due
+from slimopt.core.state import STEP
 from slimopt.core.tensors import as_matrix, real, values
 from slimopt.core.update import apply, apply_together, combined, decide
 from slimopt.finite import Decisions, all_finite
@@ -71,6 +72,36 @@ class Engine:
         decisions = self.decisions
         if decisions.waiting:
             self.settle_skips()
+        ready, fuses = self._ready()
+        # Only fused steps compile: the reference path needs neither the settings nor batches.
+        probe = self._probes.get("update", nullcontext)
+        with kernels.compile_settings() if fuses else nullcontext():
+            for update in apply_together(ready, decisions) if fuses else ready:
+                with probe():
+                    apply(update, decisions)
+        if decisions.waiting:
+            decisions.close_step()
+            if decisions.on_host():
+                self.settle_skips()
+
+    def follow(self) -> None:
+        """The step of parameters another process updates, for a process that needs only their
+        bases (ZeRO-1's non-owners under projected gradient sync, ``slimopt.distributed``): each
+        projected unit's basis refreshed when due and its step counted, as its owner's step
+        does from the same synchronized gradient, without moments or weights."""
+        ready, _ = self._ready()
+        for update in ready:
+            verdict = update.verdict
+            if bool(verdict):  # a flag left on the device is read here: nothing waits on it
+                update.state[STEP] += 1
+            else:
+                units.skip(update.plan, update.state, "non-finite gradient")
+
+    def _ready(self) -> tuple[list[Update], bool]:
+        """This step's updates of the parameters with a gradient that go on to their rule: found
+        finite (a non-finite one is counted as skipped), in the space the rule sees (bases
+        refreshed when due), a projected one's verdict decided again; and whether any of them
+        takes the fused step."""
         packed = self.packed_gradients
         pending = []
         for group in self._optimizer.param_groups:
@@ -103,16 +134,7 @@ class Engine:
         if projected:
             for update, verdict in zip(projected, combined(first, decide(projected)), strict=True):
                 update.verdict = verdict
-        # Only fused steps compile: the reference path needs neither the settings nor batches.
-        probe = self._probes.get("update", nullcontext)
-        with kernels.compile_settings() if fuses else nullcontext():
-            for update in apply_together(ready, decisions) if fuses else ready:
-                with probe():
-                    apply(update, decisions)
-        if decisions.waiting:
-            decisions.close_step()
-            if decisions.on_host():
-                self.settle_skips()
+        return ready, fuses
 
     def settle_skips(self) -> None:
         """Count the fused updates that a device flag skipped as not taken, as the reference

@@ -36,10 +36,6 @@ STRATEGIES = ("ddp", "zero1", "fsdp2")
 # Why projected gradient sync (``grad_sync``) does not run under each other strategy.
 PROJECTED_SYNC_STRATEGIES = {
     None: "projections are synchronized among DDP's processes: run under torchrun with --distributed ddp",
-    "zero1": (
-        "each ZeRO-1 process holds the bases of its own matrices only, and every process needs "
-        "every basis to project its gradients; use ddp"
-    ),
     "fsdp2": "FSDP2 reduce-scatters whole gradients itself (slimopt cannot hand it projections); use ddp",
 }
 
@@ -51,7 +47,7 @@ def strategy_error(
     ``strategy`` (None: one process) cannot train with, and why; None when they can. ``weights``
     is a ``slimopt.weight_formats`` dtype, ``grad_sync`` a ``grad_sync.GRAD_SYNCS`` mode. What
     ``slimopt train`` refuses, ``slimopt memory`` does not plan."""
-    if grad_sync == "projected" and strategy != "ddp":
+    if grad_sync == "projected" and strategy not in ("ddp", "zero1"):
         return "grad_sync", PROJECTED_SYNC_STRATEGIES.get(strategy, PROJECTED_SYNC_STRATEGIES[None])
     if strategy is None:
         return None

@@ -50,9 +50,10 @@ def projected_sync_error(name: str, *, projects: bool, scales: bool) -> str | No
     return f"{name} projects no gradient, so it needs them whole"
 
 
-def optimizer_sync_error(optimizer: Any) -> str | None:
-    """``projected_sync_error`` of a slimopt ``optimizer``, from its param groups."""
-    groups = optimizer.param_groups
+def optimizer_sync_error(optimizer: Any, groups: list[dict[str, Any]] | None = None) -> str | None:
+    """``projected_sync_error`` of a slimopt ``optimizer``, from its param groups (or ``groups``:
+    a ZeRO-1 optimizer's, of every process's parameters)."""
+    groups = optimizer.param_groups if groups is None else groups
     return projected_sync_error(
         type(optimizer).__name__,
         projects=any("rank" in group and group["scale_type"] is None for group in groups),
@@ -117,15 +118,15 @@ def _projected_numel(plan: Any) -> int:
 
 
 class GradientSync:
-    """The state of one DDP model's communication hook (``sync_gradients``): the optimizer's
-    engine and groups, the mode it runs ("projected" or "full"), the process group, and the bytes
-    this process has all-reduced for gradients (``sent``; ``take_sent``: since the last read)."""
+    """The state of one DDP model's communication hook (``sync_gradients``): the mode it runs
+    ("projected" or "full"), the process group, each parameter's engine and group in the slimopt
+    optimizers of this process (under ZeRO-1 the local one and its follower), and the bytes this
+    process has all-reduced for gradients (``sent``; ``take_sent``: since the last read)."""
 
-    def __init__(self, optimizer: Any, mode: str, group: Any) -> None:
-        self.engine = optimizer.engine
+    def __init__(self, optimizers: list[Any], mode: str, group: Any) -> None:
         self.mode = mode
         self.group = group
-        self.groups = {p: g for g in optimizer.param_groups for p in g["params"]}
+        self.units = {p: (o.engine, g) for o in optimizers for g in o.param_groups for p in g["params"]}
         self.sent = 0
         self._unread = 0
 
@@ -151,7 +152,7 @@ class GradientSync:
         self.sent += sent
         self._unread += sent
         for param, shapes in packed:
-            self.engine.packed_gradients.pack(param, shapes)
+            self.units[param][0].packed_gradients.pack(param, shapes)
 
         def written_back(future: torch.futures.Future) -> Tensor:
             if not whole:
@@ -170,14 +171,14 @@ class GradientSync:
         """Add what ``param``'s gradient ``grad`` (a view of the bucket) sends, unit by unit
         (each expert of a stacked parameter on its own): its projection where its step does
         not need it whole, else itself. Returns the projections' shapes (None: whole)."""
-        group = self.groups.get(param)
-        if group is None or self.mode == "full":
+        if param not in self.units or self.mode == "full":
             pieces.append(grad.reshape(-1))
             writes.append((grad, None))
             return [None]
+        engine, group = self.units[param]
         shapes: list[torch.Size | None] = []
-        for unit, part in self.engine.unit_gradients(param, group, grad):
-            projected = self.engine.projection_to_sync(unit, group, part)
+        for unit, part in engine.unit_gradients(param, group, grad):
+            projected = engine.projection_to_sync(unit, group, part)
             sent = part if projected is None else projected.to(part.dtype)
             pieces.append(sent.reshape(-1))
             writes.append((part, None if projected is None else projected.shape))
@@ -216,33 +217,40 @@ def _before_backward(engine: Any, param: Tensor) -> Callable[[Tensor], None]:
 
 def sync_gradients(model: nn.Module, optimizer: Any, mode: str = "auto", group: Any = None) -> GradientSync:
     """Synchronize the gradients of ``model``, a ``DistributedDataParallel`` whose parameters
-    the slimopt ``optimizer`` updates, by slimopt's communication hook, and return its state
-    (``GradientSync``: the bytes it sends).
+    the slimopt ``optimizer`` updates (or ``zero_redundancy_optimizer``'s ZeRO-1 optimizer), by
+    slimopt's communication hook, and return its state (``GradientSync``: the bytes it sends).
 
     ``mode``: "projected" all-reduces the projections of GaLore-projected matrices between
     their refreshes (exact up to the order of the sums; see the module docstring), "full" every
     whole gradient as DDP does, "auto" projected where the optimizer projects gradients, else
-    full. ``group``: DDP's process group (default: all processes). Call it once per model,
-    before the first backward (DDP takes one communication hook).
+    full. Under ZeRO-1 projected sync makes every process keep every projected matrix's basis
+    (``SlimoptZeroRedundancyOptimizer.follow_bases``). ``group``: DDP's process group (default:
+    all processes). Call it on every process, once per model, before the first backward (DDP
+    takes one communication hook).
 
     Raises ``TypeError`` for a model that is not DDP or an optimizer that is not slimopt's, and
     ``ValueError`` for an unknown ``mode`` and for "projected" with an optimizer that needs
     whole gradients (unprojected ones, APOLLO's scaling, TACO), naming why."""
+    from slimopt.distributed.zero import SlimoptZeroRedundancyOptimizer
     from slimopt.optimizers import SlimoptOptimizer
 
     if mode not in GRAD_SYNCS:
         raise ValueError(f"unknown gradient sync {mode!r}; valid: {', '.join(GRAD_SYNCS)}")
     if not isinstance(model, nn.parallel.DistributedDataParallel):
         raise TypeError(f"sync_gradients needs a DistributedDataParallel model, got {type(model).__name__}")
-    if not isinstance(optimizer, SlimoptOptimizer):
+    zero = isinstance(optimizer, SlimoptZeroRedundancyOptimizer)
+    if not zero and not isinstance(optimizer, SlimoptOptimizer):
         raise TypeError(f"sync_gradients needs a slimopt optimizer, got {type(optimizer).__name__}")
-    error = optimizer_sync_error(optimizer)
+    error = optimizer_sync_error(optimizer.optim if zero else optimizer, optimizer.param_groups)
     if mode == "projected" and error is not None:
         raise ValueError(f"projected gradient sync: {error}; use full")
-    state = GradientSync(optimizer, "full" if mode == "full" or error else "projected", group)
+    chosen = "full" if mode == "full" or error else "projected"
+    if zero and chosen == "projected":
+        optimizer.follow_bases()
+    state = GradientSync(optimizer.local_optimizers() if zero else [optimizer], chosen, group)
     model.register_comm_hook(state, _hook)
-    if state.mode == "projected":
-        for param in state.groups:
+    if chosen == "projected":
+        for param, (engine, _) in state.units.items():
             if param.requires_grad:
-                param.register_hook(_before_backward(optimizer.engine, param))
+                param.register_hook(_before_backward(engine, param))
     return state

@@ -56,6 +56,7 @@ def plan_memory(
     gpu_memory_gib: float | None = None,
     processes: int = 1,
     distributed: str | None = None,
+    grad_sync: str = "auto",
     device: str = "meta",
     progress: bool = False,
     **optimizer_options: Any,
@@ -70,7 +71,11 @@ def plan_memory(
     of ``seq_len`` tokens per micro-batch, ``accumulation_steps`` micro-batches per step;
     ``refresh_from`` is ``slimopt.layerwise``'s option of that name. With ``distributed``
     ("ddp", "zero1" or "fsdp2") the plan also holds, in ``per_process``, the step of the busiest
-    of ``processes`` processes (``slimopt.process_memory``), and ``fits`` judges that one.
+    of ``processes`` processes (``slimopt.process_memory``), and ``fits`` judges that one;
+    under "ddp" and "zero1" ``grad_sync`` the bytes each process all-reduces per step for the
+    gradients, with full and with projected sync (``slimopt.distributed.grad_sync``; ``grad_sync``
+    is that option: under ZeRO-1, projected sync, or auto for a projecting optimizer, keeps every
+    basis on every process).
     ``optimizer_options`` go to ``build_optimizer`` (``states``, ``update_proj_gap``, …). On a
     real ``device`` the steps run for real and the plan is a measurement (see ``measure_memory``).
     ``progress`` shows a bar of the micro-batches on stderr (a 7B plan takes seconds:

@@ -124,7 +124,7 @@ def _sync_line(sync: SyncBytes, strategy: str | None) -> str:
     """How many bytes each process all-reduces per step for the gradients."""
     line = f"gradient sync per step and process ({strategy}): full {_size(sync.full)}"
     if sync.per_step is None:
-        return line if strategy == "ddp" else f"{line} (ZeRO-1: each process holds its own bases only)"
+        return line
     fewer = sync.full / sync.per_step
     return (
         f"{line}; projected {_size(sync.per_step)} on average ({_size(sync.steady)} at a step that "

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from slimopt.codecs.slicing import as_on_a_gpu
 from slimopt.core.state import is_basis_key
-from slimopt.distributed.grad_sync import step_bytes
+from slimopt.distributed.grad_sync import SyncBytes, step_bytes
 from slimopt.layerwise import layerwise
 from slimopt.memory import LiveBytes, storage_nbytes, storages
 from slimopt.meta_run import MetaRun
@@ -80,14 +80,7 @@ def run(setting: PlanSetting, device: torch.device, progress: bool = False) -> M
         handle.remove()
     between_steps = categorize()
     at_peak = {term: snapshot["terms"][term] for term in TERMS}
-    processes = sync = None
-    if setting.distributed is not None:
-        parameters = parameter_bytes(model, optimizer)
-        processes = per_process(at_peak, parameters, setting.distributed, setting.processes)
-    if setting.distributed in ("ddp", "zero1"):
-        sync = step_bytes(model, optimizer)
-        if setting.distributed == "zero1":  # whole gradients (each process holds its bases only)
-            sync = replace(sync, steady=None, per_step=None)
+    processes, sync = _per_process(setting, model, optimizer, at_peak)
     return MemoryPlan(
         setting=_with_chosen_rank(setting, optimizer),
         parameters=sum(p.numel() for p in params),
@@ -107,6 +100,23 @@ def run(setting: PlanSetting, device: torch.device, progress: bool = False) -> M
         per_process=processes,
         grad_sync=sync,
     )
+
+
+def _per_process(
+    setting: PlanSetting, model: nn.Module, optimizer: Any, at_peak: dict[str, int]
+) -> tuple[dict[str, int] | None, SyncBytes | None]:
+    """Under ``setting.distributed``: process 0's terms (``slimopt.process_memory``) and, for DDP
+    and ZeRO-1, the gradient-sync bytes per step; (None, None) for one process."""
+    if setting.distributed is None:
+        return None, None
+    sync = step_bytes(model, optimizer) if setting.distributed in ("ddp", "zero1") else None
+    # Projected sync under ZeRO-1 keeps every basis on every process (follow_bases).
+    every_basis = sync is not None and sync.per_step is not None and setting.grad_sync != "full"
+    parameters = parameter_bytes(model, optimizer)
+    processes = per_process(
+        at_peak, parameters, setting.distributed, setting.processes, every_basis=every_basis
+    )
+    return processes, sync
 
 
 def _forward_backward(

@@ -14,6 +14,7 @@ from slimopt import models
 from slimopt.checks import number
 from slimopt.distributed import STRATEGIES as PROCESS_STRATEGIES
 from slimopt.distributed import strategy_error
+from slimopt.distributed.grad_sync import GRAD_SYNCS
 from slimopt.layerwise import check_refresh_from
 from slimopt.registry import OPTIMIZERS, resolve_name
 from slimopt.targets import projected_weights
@@ -41,6 +42,7 @@ class PlanSetting:
     gpu_memory_gib: float | None = None
     processes: int = 1
     distributed: str | None = None
+    grad_sync: str = "auto"
     options: dict[str, Any] = field(default_factory=dict)
     rank_defaulted: bool = False
 
@@ -79,9 +81,15 @@ class PlanSetting:
             raise ValueError(
                 f"{processes} processes: say how they share the work (distributed: ddp, zero1 or fsdp2)"
             )
-        error = strategy_error(strategy, weights=setting.dtype, layerwise=setting.layerwise)
+        if setting.grad_sync not in GRAD_SYNCS:
+            raise ValueError(f"unknown grad sync {setting.grad_sync!r}; valid: {', '.join(GRAD_SYNCS)}")
+        error = strategy_error(
+            strategy, weights=setting.dtype, layerwise=setting.layerwise, grad_sync=setting.grad_sync
+        )
         if error is not None:  # what training refuses is not planned
-            what = f"dtype {setting.dtype}" if error[0] == "weights" else "layerwise"
+            what = {"weights": f"dtype {setting.dtype}", "layerwise": "layerwise"}.get(
+                error[0], f"grad sync {setting.grad_sync}"
+            )
             raise ValueError(f"{what} with distributed {strategy}: {error[1]}")
         return setting
 

@@ -118,15 +118,12 @@ class Parallel:
 
     def sync_gradients(self, wrapped: nn.Module, optimizer: Any, mode: str) -> Any:
         """slimopt's gradient sync (``slimopt.distributed.grad_sync``) on the DDP model
-        ``wrapped`` by ``mode``, counting the bytes it sends; None where the strategy synchronizes
-        otherwise (one process, FSDP2's reduce-scatter). ZeRO-1's processes all-reduce whole
-        gradients (each holds only its own matrices' bases)."""
+        ``wrapped`` by ``mode``, counting the bytes it sends (DDP and ZeRO-1); None where the
+        strategy synchronizes otherwise (one process, FSDP2's reduce-scatter)."""
         from slimopt.distributed.grad_sync import sync_gradients
 
         if self.strategy not in ("ddp", "zero1"):
             return None
-        if self.strategy == "zero1":
-            return sync_gradients(wrapped, optimizer.optim, "full")
         return sync_gradients(wrapped, optimizer, mode)
 
     def no_sync(self, wrapped: nn.Module) -> Any:
