@@ -56,8 +56,8 @@ def optimizer_sync_error(optimizer: Any, groups: list[dict[str, Any]] | None = N
     groups = optimizer.param_groups if groups is None else groups
     return projected_sync_error(
         type(optimizer).__name__,
-        projects=any("rank" in group and group["scale_type"] is None for group in groups),
-        scales=any("rank" in group and group["scale_type"] is not None for group in groups),
+        projects=any("rank" in group and group.get("scale_type") is None for group in groups),
+        scales=any("rank" in group and group.get("scale_type") is not None for group in groups),
     )
 
 
