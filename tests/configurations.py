@@ -19,6 +19,7 @@ from torch import nn
 
 import slimopt
 from slimopt.registry import OPTIMIZERS
+from slimopt.rules import MuonRule, TACORule
 
 RANK = 32
 # Rates at which 20 steps on the toy regression lower the loss clearly for every rule.
@@ -103,10 +104,16 @@ class Configuration:
         return "betas" in self.build(make_net()).defaults
 
     @property
+    def matrices_only(self) -> bool:
+        """Whether its own rule takes matrices only (TACO's, Muon's: build_optimizer gives the
+        rest groups with ``rule="adamw"``)."""
+        return isinstance(OPTIMIZERS[self.name].cls.rule, (MuonRule, TACORule))
+
+    @property
     def complex_ok(self) -> bool:
         """Whether complex parameters are updated (as real pairs, as torch.optim does): an
         elementwise rule in unprojected groups only; elsewhere refused at construction."""
-        return not self.projected and self.name not in ("adafactor", "taco")
+        return not self.projected and OPTIMIZERS[self.name].cls.rule.elementwise
 
     def build(self, net: nn.Module, **overrides: Any) -> slimopt.SlimoptOptimizer:
         options = {"lr": self.lr, **self.options, **overrides}

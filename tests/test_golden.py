@@ -67,9 +67,18 @@ def test_a_machine_is_compared_with_the_set_of_digests_its_adamw_run_reproduces(
     assert golden_runs.expected_runs({"runs": runs("intel")}, runs("amd")) == runs("intel")
 
 
+def _recorded(run: GoldenRun, expected: dict[str, Any]) -> None:
+    """Skip ``run`` where this kind of machine's set of digests has none of it: a configuration
+    added after the set was written is added to the first set only (``--new-runs``), and another
+    kind of machine's set gains it when ``--this-machine`` is run there."""
+    if run.label not in expected:
+        pytest.skip(f"no digests of {run.label} for this kind of machine: written on the first kind only")
+
+
 @same_torch_and_machine
 @pytest.mark.parametrize("run", RUNS, ids=lambda run: run.label)
 def test_three_steps_then_two_are_bit_identical_to_the_golden_run(run: GoldenRun, found, expected) -> None:
+    _recorded(run, expected)
     assert _differences(found[run.label]["first"], expected[run.label]["first"]) == []
     assert _differences(found[run.label]["more"], expected[run.label]["more"]) == []
 
@@ -77,6 +86,7 @@ def test_three_steps_then_two_are_bit_identical_to_the_golden_run(run: GoldenRun
 @same_torch_and_machine
 @pytest.mark.parametrize("run", [run for run in RUNS if run.saved], ids=lambda run: run.label)
 def test_a_golden_checkpoint_loads_and_continues_identically(run: GoldenRun, found, expected) -> None:
+    _recorded(run, expected)
     assert _differences(found[run.label]["loaded"], expected[run.label]["loaded"]) == []
     assert _differences(found[run.label]["continued"], expected[run.label]["continued"]) == []
 
@@ -127,6 +137,10 @@ PUBLIC_NAMES = [
     "GaLoreAdamW8bit",
     "GaLoreOptimizer",
     "LayerwiseHandle",
+    "Muon",
+    "Muon4bit",
+    "Muon8bit",
+    "MuonTernary",
     "SlimoptOptimizer",
     "TACO",
     "available_optimizers",

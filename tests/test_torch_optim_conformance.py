@@ -16,7 +16,11 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from slimopt.registry import OPTIMIZERS
+from slimopt.rules import MuonRule
+
 from .configurations import CONFIGURATIONS, Configuration, batch, loss_of, train
+from .support import relative_error
 
 EVERY = [pytest.param(c, id=c.label) for c in CONFIGURATIONS]
 # A deliberate difference from torch.optim: the test asserts slimopt's documented error.
@@ -69,6 +73,11 @@ def test_a_tensor_lr_gives_what_a_float_lr_gives(configuration: Configuration) -
         optimizer = configuration.build(net, lr=lr)
         train(net, optimizer, range(5))
         runs.append(_parameters(net))
+    if isinstance(OPTIMIZERS[configuration.name].cls.rule, MuonRule):
+        # Muon's iteration runs in bf16, as torch's does: the AdamW groups' tensor-lr update,
+        # rounded in another order, changes a last bit that turns into other bf16 values.
+        assert relative_error(runs[0], runs[1]) < 1e-3
+        return
     for ours, theirs in zip(*runs, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
 
@@ -248,7 +257,7 @@ def test_add_param_group_trains_the_new_group_and_refuses_a_bad_one(configuratio
     with pytest.raises(ValueError, match="lr"):
         optimizer.add_param_group({"params": [head.bias], "lr": -1.0})
     assert len(optimizer.param_groups) == groups
-    rule = {"rule": "adamw"} if configuration.name == "taco" else {}
+    rule = {"rule": "adamw"} if configuration.matrices_only else {}
     optimizer.add_param_group({"params": list(head.parameters()), "lr": 1e-2, **rule})
     before = head.weight.detach().clone()
     optimizer.zero_grad()

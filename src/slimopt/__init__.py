@@ -4,6 +4,8 @@
 param-group convention) with fp32, bf16, int8, int4 or ternary moments (``states=``);
 ``APOLLOAdamW`` scales the raw gradient by AdamW's moments of a random projection (APOLLO,
 APOLLO-Mini); ``TACO`` moves each matrix by one entry per column from a sketch of its gradient history;
+``Muon`` orthogonalizes each matrix's momentum (``torch.optim.Muon``'s), its momentum storable as
+int8, int4 or ternary codes too (``Muon8bit``, ``Muon4bit``, ``MuonTernary``);
 ``build_optimizer`` configures one for a model by name; ``layerwise`` makes it update inside
 backward; ``state_nbytes`` counts its state, ``decoded_state`` reads a parameter's moments and
 ``describe`` says what it does with each parameter. ``quantize_weights`` stores a model's linear
@@ -28,6 +30,10 @@ from slimopt.optimizers import (
     GaLoreAdamW,
     GaLoreAdamW8bit,
     GaLoreOptimizer,
+    Muon,
+    Muon4bit,
+    Muon8bit,
+    MuonTernary,
     SlimoptOptimizer,
     decoded_state,
 )
@@ -46,6 +52,10 @@ __all__ = [
     "GaLoreAdamW8bit",
     "GaLoreOptimizer",
     "LayerwiseHandle",
+    "Muon",
+    "Muon4bit",
+    "Muon8bit",
+    "MuonTernary",
     "SlimoptOptimizer",
     "available_optimizers",
     "build_optimizer",

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from slimopt.core.hyperparameters import recording_given
 from slimopt.core.shell import GaLoreOptimizer, SlimoptOptimizer
-from slimopt.rules import AdafactorRule, AdamWRule, TACORule
+from slimopt.rules import AdafactorRule, AdamWRule, MuonRule, TACORule
 from slimopt.rules.taco import TACO_DEFAULTS
 
 # AdamWTernary's betas: a shorter first-moment average keeps less of the rounding noise.
@@ -26,6 +26,10 @@ __all__ = [
     "GaLoreAdamW",
     "GaLoreAdamW8bit",
     "GaLoreOptimizer",
+    "Muon",
+    "Muon4bit",
+    "Muon8bit",
+    "MuonTernary",
     "SlimoptOptimizer",
     "decoded_state",
 ]
@@ -193,6 +197,64 @@ class TACO(SlimoptOptimizer):
             "weight_decay": weight_decay,
         }
         super().__init__(params, defaults, options)
+
+
+class Muon(SlimoptOptimizer):
+    """Muon: each matrix's momentum orthogonalized by a Newton–Schulz iteration
+    (``slimopt.rules.muon``), with ``torch.optim.Muon``'s signature, defaults and arithmetic
+    (with fp32 momentum it steps as torch's does, within the order of a product's rounding).
+    Unlike torch's, it takes slimopt's options (``states`` for the momentum, ``fused``, …) and
+    groups with ``rule="adamw"`` for what is not a matrix (embeddings, the output head, norms and
+    biases, with AdamW's ``betas`` and ``eps`` unless the group gives them), as
+    ``build_optimizer(model, "muon")`` arranges.
+    """
+
+    rule = MuonRule()
+
+    @recording_given
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = MuonRule.defaults["momentum"],
+        nesterov: bool = MuonRule.defaults["nesterov"],
+        ns_coefficients: tuple[float, float, float] = MuonRule.defaults["ns_coefficients"],
+        eps: float = MuonRule.defaults["eps"],
+        ns_steps: int = MuonRule.defaults["ns_steps"],
+        adjust_lr_fn: str | None = MuonRule.defaults["adjust_lr_fn"],
+        **options: Any,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients,
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+        }
+        super().__init__(params, defaults, options)
+
+
+class Muon8bit(Muon):
+    """Muon with a block-wise 8-bit momentum (``states="int8"``)."""
+
+    default_states = "int8"
+
+
+class Muon4bit(Muon):
+    """Muon with a block-wise 4-bit momentum (``states="int4"``)."""
+
+    default_states = "int4"
+
+
+class MuonTernary(Muon):
+    """Muon with a ternary momentum (``states="ternary"``: base-3 digits, block exponents, row
+    and column scales)."""
+
+    default_states = "ternary"
 
 
 AdamW8bit = GaLoreAdamW8bit

@@ -38,7 +38,7 @@ from torch import nn
 
 from slimopt.distributed.grad_sync import GRAD_SYNCS, GradientSync, optimizer_sync_error, sync_gradients
 from slimopt.layerwise import LayerwiseHandle, check_refresh_from, layerwise
-from slimopt.optimizers import TERNARY_BETAS, AdamWTernary, GaLoreAdafactor, SlimoptOptimizer
+from slimopt.optimizers import TERNARY_BETAS, AdamWTernary, GaLoreAdafactor, Muon, SlimoptOptimizer
 from slimopt.options import OPTION_TYPES, parse_option
 from slimopt.registry import (
     HF_NAMES,
@@ -158,6 +158,8 @@ def create_optimizer(
     if issubclass(OPTIMIZERS[base].cls, GaLoreAdafactor):
         # Hugging Face's optim="adafactor": the Trainer's learning rate and schedule, no relative step.
         hyper |= {"scale_parameter": False, "relative_step": False, "warmup_init": False}
+    elif issubclass(OPTIMIZERS[base].cls, Muon):  # AdamW's settings are its AdamW groups'
+        hyper |= {"adamw_betas": (args.adam_beta1, args.adam_beta2), "adamw_eps": args.adam_epsilon}
     else:
         hyper |= {"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
     if issubclass(OPTIMIZERS[base].cls, AdamWTernary) and args.adam_beta1 != TERNARY_BETAS[0]:

@@ -9,7 +9,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from slimopt.checks import number_error
-from slimopt.optimizers import TACO, SlimoptOptimizer
+from slimopt.optimizers import TACO, Muon, SlimoptOptimizer
 from slimopt.options import PROJECTION_DEFAULTS
 from slimopt.registry.names import HF_NAMES, OPTIMIZERS, hugging_face_defaults, resolve_name
 from slimopt.registry.ranks import default_rank, warn_if_projection_saves_nothing
@@ -67,6 +67,8 @@ def build_optimizer(
     spec = OPTIMIZERS[name]
     if spec.cls is TACO:
         return _build_taco(model, lr=lr, rank=rank, target_modules=target_modules, **options)
+    if issubclass(spec.cls, Muon):
+        return _build_muon(spec.cls, model, lr=lr, rank=rank, target_modules=target_modules, **options)
     rank, projection = _projection_asked(name, rank, target_modules, options)
     # model.parameters() yields a tied parameter (an embedding shared with the output head) once.
     params = {id(p): p for p in model.parameters() if p.requires_grad}
@@ -168,25 +170,64 @@ def _build_taco(
         if errors:
             raise ValueError(errors[0])
         fallback["lr"] = float(fallback_lr)
-    params = {id(p): p for p in model.parameters() if p.requires_grad}
-    targets, transposed_ids, expert_ids = target_weight_ids(model, target_modules)
-    chosen = targets - expert_ids  # stacked experts take the fallback
-    linear = [p for i, p in params.items() if i in chosen and i not in transposed_ids]
-    transposed = [p for i, p in params.items() if i in transposed_ids]
+    linear, transposed, others, vectors = _matrices_and_the_rest(model, target_modules)
     groups = [
         {"name": "taco", "params": linear},
         {"name": "taco_transposed", "params": transposed, "transposed": True},
-        {
-            "name": "fallback",
-            "params": [p for i, p in params.items() if i not in chosen and p.dim() >= 2],
-            **fallback,
-        },
-        {
-            "name": "no_decay",
-            "params": [p for p in params.values() if p.dim() < 2],
-            **fallback,
-            "weight_decay": 0.0,
-        },
+        {"name": "fallback", "params": others, **fallback},
+        {"name": "no_decay", "params": vectors, **fallback, "weight_decay": 0.0},
     ]
     rate = {} if lr is None else {"lr": lr}  # None: TACO's default
     return TACO([g for g in groups if g["params"]], **rate, **options)
+
+
+def _build_muon(
+    cls: type[Muon],
+    model: nn.Module,
+    *,
+    lr: float | None,
+    rank: int | None,
+    target_modules: str | list[str] | None,
+    **options: Any,
+) -> SlimoptOptimizer:
+    """``build_optimizer(model, "muon")`` (and its storage variants): the selected linear layers'
+    weights (``Conv1D`` ones too: orthogonalizing does not mind the layout) in a group ``"muon"``,
+    every other trainable tensor in ``"adamw"`` (matrices: embeddings, the output head, stacked
+    experts) and ``"no_decay"`` (vectors) with ``rule="adamw"`` (Moonlight's recipe), with
+    ``adamw_betas`` and ``adamw_eps`` when given (AdamW's own defaults otherwise; Muon's ``eps``
+    is its iteration's). Muon's step takes ``adjust_lr_fn="match_rms_adamw"`` unless given, so
+    that the one learning rate ``lr`` serves both rules (AdamW's RMS, Moonshot's matching)."""
+    projection = [key for key in options if key in PROJECTION_DEFAULTS] + ["rank"] * (rank is not None)
+    if projection:
+        raise ValueError(f"muon does not project gradients; remove {', '.join(projection)}")
+    options.setdefault("adjust_lr_fn", "match_rms_adamw")
+    adamw = {"rule": "adamw"}
+    for key in ("betas", "eps"):
+        if f"adamw_{key}" in options:
+            adamw[key] = options.pop(f"adamw_{key}")
+    linear, transposed, others, vectors = _matrices_and_the_rest(model, target_modules)
+    groups = [
+        {"name": "muon", "params": linear + transposed},
+        {"name": "adamw", "params": others, **adamw},
+        {"name": "no_decay", "params": vectors, **adamw, "weight_decay": 0.0},
+    ]
+    rate = {} if lr is None else {"lr": lr}  # None: Muon's default
+    return cls([g for g in groups if g["params"]], **rate, **options)
+
+
+def _matrices_and_the_rest(
+    model: nn.Module, target_modules: str | list[str] | None
+) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+    """The trainable parameters of ``model`` for an optimizer of matrices with an AdamW
+    fallback: the selected linear layers' weights (``slimopt.targets``) in ``nn.Linear``'s
+    layout and in ``Conv1D``'s, every other tensor of two or more dimensions (embeddings, the
+    output head, stacked experts), and the vectors."""
+    params = {id(p): p for p in model.parameters() if p.requires_grad}
+    targets, transposed_ids, expert_ids = target_weight_ids(model, target_modules)
+    chosen = targets - expert_ids  # stacked experts take the fallback
+    return (
+        [p for i, p in params.items() if i in chosen and i not in transposed_ids],
+        [p for i, p in params.items() if i in transposed_ids],
+        [p for i, p in params.items() if i not in chosen and p.dim() >= 2],
+        [p for p in params.values() if p.dim() < 2],
+    )

@@ -15,6 +15,10 @@ from slimopt.optimizers import (
     GaLoreAdafactor,
     GaLoreAdamW,
     GaLoreAdamW8bit,
+    Muon,
+    Muon4bit,
+    Muon8bit,
+    MuonTernary,
     SlimoptOptimizer,
 )
 
@@ -46,6 +50,10 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         APOLLOAdamW, projected=True, rank=1, options=(("scale_type", "tensor"), ("scale", 128.0))
     ),
     "taco": OptimizerSpec(TACO, projected=False),
+    "muon": OptimizerSpec(Muon, projected=False),
+    "muon8bit": OptimizerSpec(Muon8bit, projected=False),
+    "muon4bit": OptimizerSpec(Muon4bit, projected=False),
+    "muon_ternary": OptimizerSpec(MuonTernary, projected=False),
 }
 
 

@@ -15,9 +15,10 @@ from torch import Tensor
 from slimopt.rules.adafactor import AdafactorRule
 from slimopt.rules.adamw import AdamWRule
 from slimopt.rules.lion import LionRule
+from slimopt.rules.muon import MuonRule
 from slimopt.rules.taco import TACORule
 
-__all__ = ["RULES", "AdafactorRule", "AdamWRule", "LionRule", "TACORule", "UpdateRule"]
+__all__ = ["RULES", "AdafactorRule", "AdamWRule", "LionRule", "MuonRule", "TACORule", "UpdateRule"]
 
 
 class SparseDirection(Protocol):
@@ -76,4 +77,5 @@ RULES: dict[str, UpdateRule] = {
     "adafactor": AdafactorRule(),
     "lion": LionRule(),
     "taco": TACORule(),
+    "muon": MuonRule(),
 }

@@ -1,0 +1,124 @@
+"""Muon (Jordan et al. 2024, "Muon: an optimizer for hidden layers"), with ``torch.optim.Muon``'s
+conventions: a momentum buffer (an exponential average of the gradients), Nesterov's look-ahead,
+the update orthogonalized by a quintic Newton–Schulz iteration run in bf16, and a step size
+adjusted to the matrix's shape; weight decay is decoupled (the optimizer shell applies it, at
+the unadjusted rate, as torch does).
+
+Orthogonalizing needs the whole matrix, so the rule is not elementwise: a matrix is never
+updated by slices of rows. Its one moment, the momentum buffer, is stored like any first moment
+(fp32, bf16, int8, int4 or ternary codes; ``slimopt.codecs``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from slimopt.checks import number, number_error, required_lr_errors
+
+# torch.optim.Muon's coefficients of the quintic iteration (a, b, c), steps and eps.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+ADJUST_LR_FNS = ("original", "match_rms_adamw")
+# torch refuses more steps than this "for computational efficiency"; so does slimopt.
+MAX_NS_STEPS = 100
+
+
+def orthogonalized(
+    matrix: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> Tensor:
+    """The bf16 Newton–Schulz approximation of ``matrix``'s orthogonal factor (U Vᵀ of its SVD,
+    singular values driven towards 1), as ``torch.optim.Muon`` computes it: normalized by its
+    Frobenius norm (at least ``eps``), on the wide orientation, ``steps`` quintic iterations."""
+    a, b, c = coefficients
+    ortho = matrix.bfloat16()
+    tall = matrix.size(0) > matrix.size(1)
+    if tall:
+        ortho = ortho.T
+    ortho.div_(ortho.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = ortho @ ortho.T
+        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        ortho = torch.addmm(ortho, update, ortho, beta=a)
+    return ortho.T if tall else ortho
+
+
+def shape_ratio(shape: tuple[int, int], adjust_lr_fn: str | None) -> float:
+    """How much the learning rate is scaled for an update of ``shape`` (A × B): Keller Jordan's
+    √max(1, A/B) ("original", and None), or Moonshot's 0.2·√max(A, B) ("match_rms_adamw"), which
+    gives the update AdamW's RMS, so that AdamW's learning rate and weight decay carry over."""
+    rows, cols = shape
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1, rows / cols))
+
+
+class MuonRule:
+    """Muon's momentum buffer and orthogonalized direction, scaled by ``shape_ratio``."""
+
+    moment_kinds: ClassVar[dict[str, str]] = {"momentum_buffer": "linear"}
+    elementwise: ClassVar[bool] = False
+    factored_keys: ClassVar[tuple[str, ...]] = ()
+    fused: ClassVar[str | None] = None
+    # torch.optim.Muon's defaults.
+    defaults: ClassVar[dict[str, Any]] = {
+        "momentum": 0.95,
+        "nesterov": True,
+        "ns_coefficients": NS_COEFFICIENTS,
+        "eps": 1e-7,
+        "ns_steps": 5,
+        "adjust_lr_fn": None,
+    }
+
+    def validate(self, group: dict[str, Any]) -> list[str]:
+        errors = required_lr_errors(group["lr"], "Muon") + number_error("eps", group["eps"], strict=True)
+        momentum = number(group["momentum"])
+        if momentum is None or not 0 <= momentum < 1:
+            errors.append(f"momentum must be a number in [0, 1), got {group['momentum']!r}")
+        if not isinstance(group["nesterov"], bool):
+            errors.append(f"nesterov must be True or False, got {group['nesterov']!r}")
+        steps = group["ns_steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps < MAX_NS_STEPS:
+            errors.append(f"ns_steps must be an integer from 1 to {MAX_NS_STEPS - 1}, got {steps!r}")
+        coefficients = group["ns_coefficients"]
+        if (
+            not isinstance(coefficients, (tuple, list))
+            or len(coefficients) != 3
+            or any(number(value) is None for value in coefficients)
+        ):
+            errors.append(f"ns_coefficients must be three finite numbers (a, b, c), got {coefficients!r}")
+        if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+            valid = f"{', '.join(ADJUST_LR_FNS)} or None (original)"
+            errors.append(f"unknown adjust_lr_fn {group['adjust_lr_fn']!r}; valid: {valid}")
+        vectors = [tuple(p.shape) for p in group["params"] if p.dim() != 2]
+        if vectors:
+            errors.append(
+                f"Muon orthogonalizes matrices, and parameters {vectors[:3]} are not 2-D: give them a "
+                "group with rule='adamw' (build_optimizer does)"
+            )
+        return errors
+
+    def init_state(self, grad: Tensor, group: dict[str, Any], *, projected: bool) -> dict[str, Tensor]:
+        return {"momentum_buffer": torch.zeros_like(grad)}
+
+    def direction(self, grad: Tensor, state: dict[str, Tensor], age: int, group: dict[str, Any]) -> Tensor:
+        momentum = group["momentum"]
+        buffer = state["momentum_buffer"]
+        buffer.lerp_(grad, 1 - momentum)
+        update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+        ortho = orthogonalized(update, tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
+        # The step's shape adjustment, which torch applies to the learning rate of the step (not
+        # of the weight decay): the same product, rounded in another order.
+        return ortho.float().mul_(shape_ratio(tuple(update.shape), group["adjust_lr_fn"]))
+
+    def bias_correction(self, group: dict[str, Any], age: int) -> float:
+        return 1.0
+
+    def step_size(self, group: dict[str, Any], weights: Tensor, step: int) -> float:
+        # A tensor learning rate is read as a number, as torch.optim.Muon reads it: a bf16
+        # iteration would turn the other rounding of a tensor product into other bits of every
+        # later step.
+        lr = group["lr"]
+        return lr.item() if isinstance(lr, Tensor) else lr
