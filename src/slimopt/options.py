@@ -407,7 +407,7 @@ def sharding_errors(group: dict[str, Any], rule: UpdateRule, owner: str) -> list
         ]
     if not rule.elementwise:
         return [
-            f"{owner} needs whole-tensor statistics (RMS, factored means), but "
+            f"{owner} needs whole tensors for its update (it is not elementwise), but "
             f"parameters {[tuple(p.shape) for p in split]} are split by rows; use an AdamW "
             "optimizer under FSDP2"
         ]
