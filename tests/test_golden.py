@@ -69,8 +69,8 @@ def test_a_machine_is_compared_with_the_set_of_digests_its_adamw_run_reproduces(
 
 def _recorded(run: GoldenRun, expected: dict[str, Any]) -> None:
     """Skip ``run`` where this kind of machine's set of digests has none of it: a configuration
-    added after the set was written is added to the first set only (``--new-runs``), and another
-    kind of machine's set gains it when ``--this-machine`` is run there."""
+    added after the set was written is added to the first set only (``--new-runs``, on the
+    kind of machine that set is of)."""
     if run.label not in expected:
         pytest.skip(f"no digests of {run.label} for this kind of machine: written on the first kind only")
 
