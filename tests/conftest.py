@@ -147,6 +147,25 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def in_process_group(rank: int, world: int, port: int, out: str, work: Callable[[], Any]) -> None:
+    """In a spawned worker: join a gloo group of ``world`` processes on ``port`` as ``rank``, run
+    ``work()`` and save its result as ``out/rank<N>.pt`` (or its traceback as ``rank<N>.error``,
+    then raise), as ``run_ranks`` reads them; the group is destroyed whatever happens."""
+    import traceback
+
+    import torch.distributed as dist
+
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.save(work(), Path(out) / f"rank{rank}.pt")
+    except BaseException:  # pytest's failures (pytest.warns) are BaseExceptions
+        (Path(out) / f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
 def _exit_after(rank: int, worker: Callable[..., None], *args: Any) -> None:
     """``worker(rank, *args)``, then the process ends without Python's shutdown. A gloo worker
     thread that drops the last reference to a collective's tensor needs the GIL for it; when

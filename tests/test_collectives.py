@@ -16,9 +16,7 @@ Collectives that torch issues itself (FSDP2's all-gathers, DCP) are not slimopt'
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -29,7 +27,7 @@ import slimopt
 import slimopt.collectives
 from benchmarks.processes import free_port
 
-from .conftest import run_ranks
+from .conftest import in_process_group, run_ranks
 from .support import token_batch
 
 WORLD = 2
@@ -174,26 +172,23 @@ def _loop_sum() -> None:
 
 
 def _worker(rank: int, port: int, policy: str, out: str) -> None:
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    in_process_group(rank, WORLD, port, out, lambda: _checked(rank, policy))
+
+
+def _checked(rank: int, policy: str) -> dict:
+    """Every scenario's collectives under ``policy``'s checker: who called them, and what was
+    misplaced."""
     checker = Checker(policy)
-    try:
-        with pytest.MonkeyPatch.context() as patch, pytest.warns(RuntimeWarning):
-            checker.wrap(patch)
-            _fsdp2(rank)
-            _ddp_spread(rank)
-            _loop_sum()
-        result = {
-            "calls": sorted(checker.calls),
-            "callers": sorted(checker.callers),
-            "misplaced": checker.misplaced,
-        }
-        torch.save(result, Path(out) / f"rank{rank}.pt")
-    except BaseException:
-        (Path(out) / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+    with pytest.MonkeyPatch.context() as patch, pytest.warns(RuntimeWarning):
+        checker.wrap(patch)
+        _fsdp2(rank)
+        _ddp_spread(rank)
+        _loop_sum()
+    return {
+        "calls": sorted(checker.calls),
+        "callers": sorted(checker.callers),
+        "misplaced": checker.misplaced,
+    }
 
 
 @pytest.mark.slow  # two processes, twice: about 40 s

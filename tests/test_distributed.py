@@ -4,8 +4,6 @@ FSDP2 against one process on the same global batch."""
 from __future__ import annotations
 
 import io
-import os
-import traceback
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ import slimopt.projection
 import slimopt.sharding
 from benchmarks.processes import free_port
 
-from .conftest import run_ranks
+from .conftest import in_process_group, run_ranks
 from .support import relative_error, token_batch
 
 WORLD = 2
@@ -90,33 +88,27 @@ def _parameters_and_bases(
 
 
 def _worker(rank: int, port: int, strategy: str, out: str) -> None:
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        results = {}
-        if strategy == "dcp":
-            for name in CHECKPOINT_NAMES:
-                results[name] = _checkpoint_run(name, Path(out) / f"{name}-two", WORLD)
-                results[f"{name}.from_one"] = _resumed(name, Path(out) / f"{name}-one", WORLD)
-        for name in NAMES if strategy != "dcp" else []:
-            results[name] = _train_distributed(strategy, name, rank)
-        if strategy == "fsdp2":
-            results["refusals"] = _fsdp2_refusals()
-            results["split_after_construction"] = _split_after_construction("right")
-            for name in ("adamw", "galore_adamw", "apollo_adamw"):
-                results[f"{name}.layerwise"] = _fsdp2_layerwise_against_stepping(name, rank)
-                results[f"{name}.layerwise_no_sync"] = _fsdp2_layerwise_against_stepping(
-                    name, rank, no_sync=True
-                )
-        if strategy == "ddp":
-            results["layerwise_refusal"] = _ddp_layerwise_refusal()
-            results["spread"] = _train_distributed("ddp_spread", "galore_adamw", rank)
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    except Exception:
-        (Path(out) / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+    in_process_group(rank, WORLD, port, out, lambda: _results(rank, strategy, out))
+
+
+def _results(rank: int, strategy: str, out: str) -> dict:
+    results = {}
+    if strategy == "dcp":
+        for name in CHECKPOINT_NAMES:
+            results[name] = _checkpoint_run(name, Path(out) / f"{name}-two", WORLD)
+            results[f"{name}.from_one"] = _resumed(name, Path(out) / f"{name}-one", WORLD)
+    for name in NAMES if strategy != "dcp" else []:
+        results[name] = _train_distributed(strategy, name, rank)
+    if strategy == "fsdp2":
+        results["refusals"] = _fsdp2_refusals()
+        results["split_after_construction"] = _split_after_construction("right")
+        for name in ("adamw", "galore_adamw", "apollo_adamw"):
+            results[f"{name}.layerwise"] = _fsdp2_layerwise_against_stepping(name, rank)
+            results[f"{name}.layerwise_no_sync"] = _fsdp2_layerwise_against_stepping(name, rank, no_sync=True)
+    if strategy == "ddp":
+        results["layerwise_refusal"] = _ddp_layerwise_refusal()
+        results["spread"] = _train_distributed("ddp_spread", "galore_adamw", rank)
+    return results
 
 
 def _fully_sharded_model(name: str = "") -> torch.nn.Module:

@@ -7,8 +7,6 @@ are the bytes that cross the loopback interface."""
 from __future__ import annotations
 
 import contextlib
-import os
-import traceback
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from benchmarks.architectures import decoder
 from benchmarks.processes import free_port
 from slimopt.distributed import sync_gradients
 
-from .conftest import run_ranks
+from .conftest import in_process_group, run_ranks
 from .support import relative_error, token_batch
 
 WORLD = 2
@@ -188,42 +186,38 @@ def _zero1(name: str, mode: str, rank: int, out: str, resume_at: int | None = No
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        results = {}
-        for name in NAMES:
-            for mode in ("full", "projected"):
-                results[name, mode] = _train(_llama(), name, mode, rank)
-        with pytest.MonkeyPatch.context() as patch:  # other random draws: ternary's spread
-            seed = slimopt.core.seeds.step_seed
-            patch.setattr(slimopt.core.seeds, "step_seed", lambda state: seed(state) + 7919)
-            results["galore_adamw_ternary", "other draws"] = _train(
-                _llama(), "galore_adamw_ternary", "full", rank
-            )
-        for family in ("mixtral", "gpt2"):
-            for mode in ("full", "projected"):
-                results[family, mode] = _train(_family(family), "galore_adamw", mode, rank)
+    in_process_group(rank, WORLD, port, out, lambda: _results(rank, out))
+
+
+def _results(rank: int, out: str) -> dict:
+    results = {}
+    for name in NAMES:
         for mode in ("full", "projected"):
-            results["accumulated", mode] = _train(_llama(), "galore_adamw", mode, rank, accumulation=2)
-            with pytest.MonkeyPatch.context() as patch:  # matrices of over 4096 elements by row slices
-                patch.setattr(slimopt.codecs.slicing, "SLICE_NUMEL", 4096)
-                results["row slices", mode] = _train(_llama(), "galore_adamw8bit", mode, rank)
-            results["clipped", mode] = _train(_llama(), "galore_adamw", mode, rank, clip=1e-3)
-            run = _train(_llama(), "galore_adamw", mode, rank, loopback=True)
-            results["loopback", mode] = (sum(run["sent"]), run["loopback"])
-        results["unstaggered"] = _train(_llama(), "galore_adamw", "projected", rank, stagger=False)
-        results["misuse"] = _misuse(rank)
-        for name in ("galore_adamw", "galore_adamw8bit"):
-            for mode in ("full", "projected"):
-                results["zero1", name, mode] = _zero1(name, mode, rank, out)
-            results["zero1", name, "resumed"] = _zero1(name, "projected", rank, out, resume_at=3)
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    except Exception:
-        (Path(out) / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+            results[name, mode] = _train(_llama(), name, mode, rank)
+    with pytest.MonkeyPatch.context() as patch:  # other random draws: ternary's spread
+        seed = slimopt.core.seeds.step_seed
+        patch.setattr(slimopt.core.seeds, "step_seed", lambda state: seed(state) + 7919)
+        results["galore_adamw_ternary", "other draws"] = _train(
+            _llama(), "galore_adamw_ternary", "full", rank
+        )
+    for family in ("mixtral", "gpt2"):
+        for mode in ("full", "projected"):
+            results[family, mode] = _train(_family(family), "galore_adamw", mode, rank)
+    for mode in ("full", "projected"):
+        results["accumulated", mode] = _train(_llama(), "galore_adamw", mode, rank, accumulation=2)
+        with pytest.MonkeyPatch.context() as patch:  # matrices of over 4096 elements by row slices
+            patch.setattr(slimopt.codecs.slicing, "SLICE_NUMEL", 4096)
+            results["row slices", mode] = _train(_llama(), "galore_adamw8bit", mode, rank)
+        results["clipped", mode] = _train(_llama(), "galore_adamw", mode, rank, clip=1e-3)
+        run = _train(_llama(), "galore_adamw", mode, rank, loopback=True)
+        results["loopback", mode] = (sum(run["sent"]), run["loopback"])
+    results["unstaggered"] = _train(_llama(), "galore_adamw", "projected", rank, stagger=False)
+    results["misuse"] = _misuse(rank)
+    for name in ("galore_adamw", "galore_adamw8bit"):
+        for mode in ("full", "projected"):
+            results["zero1", name, mode] = _zero1(name, mode, rank, out)
+        results["zero1", name, "resumed"] = _zero1(name, "projected", rank, out, resume_at=3)
+    return results
 
 
 @pytest.fixture(scope="module")
