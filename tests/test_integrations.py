@@ -359,6 +359,73 @@ def test_qlora_with_4bit_base_weights_trains_with_ternary_states(shakespeare_tok
     _train_adapters(model, optimizer, shakespeare_tokens)
 
 
+def _byte_tokenizer():
+    """A tokenizer of bytes (Hugging Face's byte-level alphabet, no merges), built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    raw = Tokenizer(models.BPE(vocab={symbol: index for index, symbol in enumerate(alphabet)}, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token=alphabet[0], eos_token=alphabet[1])
+
+
+def _sft(shakespeare_tokens, out: Path, name: str, resume: Path | None = None, **options):
+    """TRL's SFTTrainer on lines of the built-in corpus, 6 steps with a checkpoint every 3, with
+    slimopt's ``name`` through ``optimizer_cls_and_kwargs``."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from slimopt.integrations.transformers import optimizer_cls_and_kwargs
+
+    text = bytes(shakespeare_tokens[:20_000].tolist()).decode("utf-8", errors="ignore")
+    lines = [line for line in text.splitlines() if len(line) > 20][:64]
+    args = SFTConfig(
+        output_dir=str(out), max_steps=6, per_device_train_batch_size=4, learning_rate=1e-3,
+        logging_steps=1, save_steps=3, report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+        max_length=32,
+    )  # fmt: skip
+    trainer = SFTTrainer(
+        model=tiny_llama(),
+        args=args,
+        train_dataset=Dataset.from_list([{"text": line} for line in lines]),
+        processing_class=_byte_tokenizer(),
+        optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(name, lr=3e-3, **options),
+    )
+    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
+    return trainer
+
+
+@pytest.mark.parametrize(("name", "options"), [("muon8bit", {}), ("galore_adamw_8bit", {"rank": 8})])
+def test_trls_sft_trainer_takes_any_slimopt_optimizer_and_resumes_exactly(
+    shakespeare_tokens, tmp_path, name, options
+) -> None:
+    """Through Trainer's ``optimizer_cls_and_kwargs`` (no subclass): TRL's SFTTrainer trains
+    with the slimopt optimizer built for its model, starting its schedule from the given lr, and
+    a run resumed from its step-3 checkpoint logs the uninterrupted run's losses."""
+    whole = _sft(shakespeare_tokens, tmp_path / "whole", name, **options)
+    optimizer = whole.optimizer.optimizer  # accelerate wraps it
+    assert isinstance(optimizer, slimopt.SlimoptOptimizer)
+    assert {group["initial_lr"] for group in optimizer.param_groups} == {3e-3}
+    losses = [r["loss"] for r in whole.state.log_history if "loss" in r]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    resumed = _sft(
+        shakespeare_tokens, tmp_path / "resumed", name, resume=tmp_path / "whole" / "checkpoint-3", **options
+    )
+    # The checkpoint brings the first three steps' log; the last three are computed again.
+    assert [r["loss"] for r in resumed.state.log_history if "loss" in r][3:] == losses[3:]
+
+
+def test_optimizer_cls_and_kwargs_refuses_what_it_cannot_build() -> None:
+    from slimopt.integrations.transformers import optimizer_cls_and_kwargs
+
+    with pytest.raises(ValueError, match="layer-wise updates run inside backward, which only SlimoptTrainer"):
+        optimizer_cls_and_kwargs("galore_adamw8bit_layerwise", lr=1e-3)
+    with pytest.raises(ValueError, match="unknown optimizer 'adam'; available: adamw"):
+        optimizer_cls_and_kwargs("adam", lr=1e-3)
+
+
 @pytest.mark.slow  # two torchrun launches: about 30 s
 def test_trainer_under_torchrun_ddp(tmp_path) -> None:
     """SlimoptTrainer under torchrun (accelerate's DDP): it trains, the two processes end with

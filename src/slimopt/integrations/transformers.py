@@ -22,6 +22,10 @@ Unlike Hugging Face, an ``optim_target_modules`` that matches no module is an er
 silently unprojected model; for a projecting optimizer without ``optim_target_modules`` the
 attention and MLP linear layers are projected (every linear layer but the output head).
 
+Any other Trainer (TRL's ``SFTTrainer``, …) takes a slimopt optimizer without subclassing through
+``optimizer_cls_and_kwargs(name, lr=..., **options)``, the pair for its
+``optimizer_cls_and_kwargs`` argument (transformers 5 calls the factory with the model).
+
 Under accelerate's DDP, ``SlimoptTrainer`` synchronizes the gradients by slimopt's communication
 hook (``slimopt.distributed.sync_gradients``): a projecting optimizer's matrices send their
 projections between refreshes. ``optim_args`` key ``grad_sync`` (``auto``, the default;
@@ -181,6 +185,34 @@ def create_optimizer(
         **options,
         **hyper,
     )
+
+
+class SlimoptFactory:
+    """What ``optimizer_cls_and_kwargs`` hands ``Trainer``: transformers instantiates it and
+    calls it with the model and the keyword arguments, and it builds the optimizer by
+    ``build_optimizer``."""
+
+    def __call__(self, model: nn.Module, *, name: str, lr: float, **options: Any) -> SlimoptOptimizer:
+        return build_optimizer(model, name, lr=lr, **options)
+
+
+def optimizer_cls_and_kwargs(name: str, *, lr: float, **options: Any) -> tuple[type, dict[str, Any]]:
+    """The pair for ``transformers.Trainer(optimizer_cls_and_kwargs=...)``, so that any Trainer,
+    TRL's ``SFTTrainer`` among them, trains with slimopt optimizer ``name`` (slimopt's or Hugging
+    Face's spelling) built for its model by ``build_optimizer(model, name, lr=lr, **options)``
+    (``rank``, ``states``, ``weight_decay``, …): transformers 5's Trainer calls such a factory
+    with the model. The Trainer's ``learning_rate`` does not reach it: give ``lr`` here (its
+    schedule then starts from it).
+
+    Raises ``ValueError`` for an unknown name, and for a ``_layerwise`` one (layer-wise updates
+    need ``SlimoptTrainer``, which clips and accumulates inside backward)."""
+    base, layer_wise = split_name(name)
+    if layer_wise:
+        raise ValueError(
+            f"{name!r}: layer-wise updates run inside backward, which only SlimoptTrainer arranges "
+            f"(clipping, accumulation); use SlimoptTrainer(optimizer_name={name!r}), or {base!r} here"
+        )
+    return SlimoptFactory, {"name": name, "lr": lr, **options}
 
 
 class SlimoptTrainer(Trainer):
