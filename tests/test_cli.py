@@ -659,13 +659,19 @@ def bench_args(optimizers: str, out: Path, *extra: str) -> list[str]:
 
 def test_bench_times_slimopt_beside_the_references(tmp_path: Path, capsys) -> None:
     out = tmp_path / "bench.json"
-    names = "torch_adamw_foreach,torch_adamw_fused,adamw,adamw8bit,apollo_torch_mini,apollo_mini"
+    names = (
+        "torch_adamw_foreach,torch_adamw_fused,adamw,adamw8bit,apollo_torch_mini,apollo_mini,torch_muon,muon"
+    )
     assert main(bench_args(names, out)) == 0
     captured = capsys.readouterr()
     assert "skipping torch_adamw_fused (CUDA only)" in captured.err
     assert "| optimizer | training step s | optimizer step s | state MiB | peak MiB |" in captured.out
     rows = {row["optimizer"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"torch_adamw_foreach", "adamw", "adamw8bit", "apollo_torch_mini", "apollo_mini"}
+    assert set(rows) == {
+        "torch_adamw_foreach", "adamw", "adamw8bit", "apollo_torch_mini", "apollo_mini", "torch_muon", "muon",
+    }  # fmt: skip
+    # Muon's matrices and AdamW's rest: torch's two optimizers hold what slimopt's one does.
+    assert rows["muon"]["state_bytes"] == rows["torch_muon"]["state_bytes"]
     # The same fp32 moments as torch's AdamW; int8 keeps about a quarter of them. APOLLO-Mini's
     # moments and limiter norms are apollo-torch's (whose random matrices, kept in projector
     # objects, no count sees; slimopt draws them again instead).

@@ -46,6 +46,8 @@ REFERENCES: dict[str, tuple[str | None, bool, Callable[[nn.Module, float], Any]]
     "torchao_adamw4bit": ("torchao", False, lambda m, lr: _torchao().AdamW4bit(m.parameters(), lr=lr)),
     "galore_torch_adamw8bit": ("galore_torch", True, lambda m, lr: _galore_torch(m, lr)),  # rank 512
     "apollo_torch_mini": ("apollo_torch", False, lambda m, lr: _apollo_torch_mini(m, lr)),
+    # torch.optim.Muon (torch 2.9 and later) for the matrices, torch's AdamW for the rest.
+    "torch_muon": (None, False, lambda m, lr: _torch_muon(m, lr)),
 }
 # Weight dtypes only slimopt's optimizers write, and why.
 SLIMOPT_ONLY = {
@@ -73,6 +75,8 @@ def available(
                 skipped.append(f"{name} (CUDA only)")
             elif package is not None and importlib.util.find_spec(package) is None:
                 skipped.append(f"{name} ({package} is not installed)")
+            elif name == "torch_muon" and not hasattr(torch.optim, "Muon"):
+                skipped.append(f"{name} (torch {torch.__version__} has no torch.optim.Muon: 2.9 and later)")
             else:
                 kept.append(name)
             continue
@@ -285,6 +289,34 @@ def _apollo_torch_mini(model: nn.Module, lr: float) -> Any:
     matrices, rest = _projected_and_rest(model)
     projected = {"params": matrices, "rank": 1, "proj": "random", "scale_type": "tensor", "scale": 128}
     return APOLLOAdamW([{"params": rest}, {**projected, "update_proj_gap": 200, "proj_type": "std"}], lr=lr)
+
+
+class _Together:
+    """Optimizers stepped as one (a reference that needs two), their states read as one."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def state(self) -> dict[Tensor, Any]:
+        return {param: state for optimizer in self.optimizers for param, state in optimizer.state.items()}
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def _torch_muon(model: nn.Module, lr: float) -> Any:
+    """torch.optim.Muon as its documentation sets it up: the attention and MLP weights Muon
+    (``adjust_lr_fn="match_rms_adamw"``, so that one rate serves both, as slimopt's ``muon``),
+    everything else torch's AdamW (foreach)."""
+    matrices, rest = _projected_and_rest(model)
+    muon = torch.optim.Muon(matrices, lr=lr, adjust_lr_fn="match_rms_adamw")
+    return _Together(muon, torch.optim.AdamW(rest, lr=lr, weight_decay=0.1, foreach=True))
 
 
 def _projected_and_rest(model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
