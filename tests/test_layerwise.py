@@ -67,7 +67,7 @@ def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return sum(float((x - y).norm() ** 2) for x, y in zip(a, b, strict=True)) ** 0.5
 
 
-NAMES = ["adamw", "galore_adamw", "galore_adamw8bit", "galore_adamw_ternary"]
+NAMES = ["adamw", "galore_adamw", "galore_adamw8bit", "galore_adamw_ternary", "muon8bit", "galore_muon"]
 
 
 @pytest.mark.parametrize("name", NAMES)

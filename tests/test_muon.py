@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import slimopt
-from slimopt.rules.muon import NS_COEFFICIENTS
+from slimopt.rules.muon import NS_COEFFICIENTS, orthogonalized
 
 from .conftest import tiny_llama
 from .support import relative_error
@@ -81,7 +81,9 @@ def test_build_optimizer_gives_matrices_muon_and_the_rest_adamw_at_one_rate(name
         optimizer.step()
         optimizer.zero_grad()
     assert losses[-1] < losses[0] - 0.5
-    with pytest.raises(ValueError, match="muon does not project gradients; remove rank"):
+    with pytest.raises(
+        ValueError, match=f"{name} does not project gradients; remove rank or choose one of: galore_muon"
+    ):
         slimopt.build_optimizer(model, name, lr=3e-3, rank=8)
 
 
@@ -95,6 +97,7 @@ def test_build_optimizer_gives_matrices_muon_and_the_rest_adamw_at_one_rate(name
         ({"momentum": 1.0}, r"momentum must be a number in \[0, 1\), got 1.0"),
         ({"momentum": -0.1}, r"momentum must be a number in \[0, 1\), got -0.1"),
         ({"nesterov": "yes"}, "nesterov must be True or False"),
+        ({"transposed": 1}, "transposed must be True or False, got 1"),
         ({"eps": 0.0}, "eps must be a finite number > 0"),
     ],
 )
@@ -137,3 +140,82 @@ def test_the_trainer_gives_its_adamw_settings_to_the_adamw_groups(tmp_path) -> N
     assert groups["no_decay"]["eps"] == 1e-6 and groups["muon"]["eps"] == 1e-7
     assert {group["lr"] for group in groups.values()} == {2e-3}
     assert groups["muon"]["weight_decay"] == groups["adamw"]["weight_decay"] == 0.05
+
+
+def test_conv1d_and_stacked_experts_step_as_torch_muon_on_each_matrix() -> None:
+    """A weight stored in × out (GPT-2's Conv1D, ``transposed=True``) steps as torch.optim.Muon
+    steps its out × in transpose (the "original" adjustment reads the shape reversed); each
+    expert of a stacked 3-D weight (a group with ``experts``) as torch's Muon steps that expert
+    as a matrix of its own."""
+    torch.manual_seed(0)
+    conv1d, stacked = nn.Parameter(torch.randn(32, 96)), nn.Parameter(torch.randn(3, 48, 16))
+    theirs = [nn.Parameter(conv1d.detach().T.clone())] + [nn.Parameter(e.clone()) for e in stacked.detach()]
+    options = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": "original"}
+    ours = slimopt.Muon(
+        [{"params": [conv1d], "transposed": True}, {"params": [stacked], "experts": True}], **options
+    )
+    torch_muon = torch.optim.Muon(theirs, **options)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        conv1d.grad = torch.randn(conv1d.shape, generator=generator)
+        stacked.grad = torch.randn(stacked.shape, generator=generator)
+        theirs[0].grad = conv1d.grad.T.clone()
+        for expert, grad in zip(theirs[1:], stacked.grad, strict=True):
+            expert.grad = grad.clone()
+        ours.step()
+        torch_muon.step()
+    assert relative_error([conv1d.T, *stacked.unbind(0)], theirs) < 1e-6
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (24, 80)])
+def test_galore_muon_orthogonalizes_the_projected_momentum(shape: tuple[int, int]) -> None:
+    """A GaLore subspace around Muon: between refreshes, each step is the Nesterov momentum of
+    the projected gradients, orthogonalized in the rank-r space (the rule's shape adjustment
+    read on the projected shape, so that the step has AdamW's RMS there), projected back and
+    scaled by GaLore's scale, computed here in float64 from the optimizer's basis."""
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(shape, dtype=torch.float64).float())
+    lr, scale, decay = 0.01, 0.25, 0.1
+    optimizer = slimopt.Muon(
+        [{"params": [weight], "rank": 8, "scale": scale}],
+        lr=lr,
+        weight_decay=decay,
+        adjust_lr_fn="match_rms_adamw",
+    )
+    generator = torch.Generator().manual_seed(1)
+    expected = weight.detach().double().clone()
+    buffer = None
+    for _ in range(6):
+        grad = torch.randn(shape, generator=generator)
+        weight.grad = grad.clone()
+        optimizer.step()
+        state = optimizer.state[weight]
+        left = "basis_left" in state
+        basis = (state["basis_left"] if left else state["basis_right"]).double()
+        projected = basis.T @ grad.double() if left else grad.double() @ basis.T
+        buffer = projected * 0.05 if buffer is None else buffer + 0.05 * (projected - buffer)
+        nesterov = projected + 0.95 * (buffer - projected)
+        ortho = orthogonalized(nesterov.float(), NS_COEFFICIENTS, 5, 1e-7).double()
+        ortho *= 0.2 * max(ortho.shape) ** 0.5
+        back = basis @ ortho if left else ortho @ basis
+        expected = expected * (1 - lr * decay) - lr * scale * back
+    assert relative_error([weight.detach().double()], [expected]) < 1e-5
+
+
+def test_galore_muon_names_project_the_muon_groups_only() -> None:
+    """galore_muon and galore_muon8bit: the attention and MLP matrices Muon in a rank-r
+    subspace (default a quarter of their smaller side), embeddings, head and vectors AdamW
+    unprojected; a fraction of muon's state."""
+    states = {}
+    for name in ("muon", "galore_muon", "galore_muon8bit"):
+        model = tiny_llama()
+        optimizer = slimopt.build_optimizer(model, name, lr=3e-3)
+        groups = {group["name"]: group for group in optimizer.param_groups}
+        assert list(groups) == ["muon", "adamw", "no_decay"]
+        assert groups["muon"].get("rank") == (16 if name != "muon" else None)
+        assert "rank" not in groups["adamw"] and "rank" not in groups["no_decay"]
+        tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        states[name] = slimopt.state_nbytes(optimizer)
+    assert states["galore_muon8bit"] < states["galore_muon"] < states["muon"]

@@ -206,7 +206,9 @@ class Muon(SlimoptOptimizer):
     Unlike torch's, it takes slimopt's options (``states`` for the momentum, ``fused``, …) and
     groups with ``rule="adamw"`` for what is not a matrix (embeddings, the output head, norms and
     biases, with AdamW's ``betas`` and ``eps`` unless the group gives them), as
-    ``build_optimizer(model, "muon")`` arranges.
+    ``build_optimizer(model, "muon")`` arranges. ``transposed=True`` marks weights stored in ×
+    out (``Conv1D``), so that the step's shape adjustment reads them as out × in; a group with
+    a ``rank`` orthogonalizes the momentum in a GaLore subspace (``"galore_muon"``).
     """
 
     rule = MuonRule()
@@ -223,6 +225,7 @@ class Muon(SlimoptOptimizer):
         eps: float = MuonRule.defaults["eps"],
         ns_steps: int = MuonRule.defaults["ns_steps"],
         adjust_lr_fn: str | None = MuonRule.defaults["adjust_lr_fn"],
+        transposed: bool = MuonRule.defaults["transposed"],
         **options: Any,
     ) -> None:
         defaults = {
@@ -234,6 +237,7 @@ class Muon(SlimoptOptimizer):
             "eps": eps,
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
+            "transposed": transposed,
         }
         super().__init__(params, defaults, options)
 

@@ -107,13 +107,14 @@ OPTIONS: tuple[Option, ...] = (
         on_load="storage",
     ),
     # The first dimension of every parameter indexes independent matrices (a mixture of experts'
-    # stacked expert weights): each gets its own basis and moments, as a 2-D parameter would.
+    # stacked expert weights): each gets its own moments (and basis, projected), as a 2-D
+    # parameter would; Muon orthogonalizes each on its own.
     Option(
         "experts",
         False,
         bool,
         "projection",
-        "project each expert of a stacked parameter",
+        "update each expert of a stacked parameter as its own matrix",
         layout=True,
         given=False,
     ),
@@ -322,8 +323,6 @@ def _storage_errors(group: dict[str, Any]) -> list[str]:
 
 
 def _projection_errors(group: dict[str, Any]) -> list[str]:
-    if "rank" not in group:
-        return ["experts=True needs a rank: it projects each expert's matrix"] if group["experts"] else []
     errors = []
     if group["experts"] not in (True, False):
         errors.append(f"experts must be True or False, got {group['experts']!r}")
@@ -334,6 +333,8 @@ def _projection_errors(group: dict[str, Any]) -> list[str]:
                 f"experts=True takes 3-D parameters (experts × rows × columns), got shapes {shapes}; "
                 "put them in a group without experts"
             )
+    if "rank" not in group:
+        return errors
     rank, gap = group["rank"], group["update_proj_gap"]
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         errors.append(f"rank must be a positive integer, got {rank!r}")

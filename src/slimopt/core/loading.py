@@ -217,10 +217,16 @@ def fill_new_options(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[s
     return {**state_dict, "param_groups": groups}
 
 
+# Rule hyperparameters newer than checkpoints written by slimopt: Muon's ``transposed`` (a
+# checkpoint without it takes the loading optimizer's, which ``build_optimizer`` sets by layout).
+NEWER_HYPERPARAMETERS = ("transposed",)
+
+
 def _options() -> set[str]:
-    """The options every slimopt group has, whatever its update rule: projection, storage, and
-    the group's ``rule`` (None, the optimizer's own, in checkpoints older than that option)."""
-    return {*PROJECTION_DEFAULTS, *STORAGE_DEFAULTS, "rule"}
+    """The options a checkpoint may lack: those every slimopt group has, whatever its update
+    rule (projection, storage, and the group's ``rule``: None, the optimizer's own, in
+    checkpoints older than that option), and ``NEWER_HYPERPARAMETERS``."""
+    return {*PROJECTION_DEFAULTS, *STORAGE_DEFAULTS, "rule", *NEWER_HYPERPARAMETERS}
 
 
 def check_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:

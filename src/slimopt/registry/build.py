@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from slimopt.checks import number_error
 from slimopt.optimizers import TACO, Muon, SlimoptOptimizer
 from slimopt.options import PROJECTION_DEFAULTS
-from slimopt.registry.names import HF_NAMES, OPTIMIZERS, hugging_face_defaults, resolve_name
+from slimopt.registry.names import HF_NAMES, OPTIMIZERS, OptimizerSpec, hugging_face_defaults, resolve_name
 from slimopt.registry.ranks import default_rank, warn_if_projection_saves_nothing
 from slimopt.sharding import split_by_rows
 from slimopt.targets import target_weight_ids, warn_unknown_layouts
@@ -68,7 +68,7 @@ def build_optimizer(
     if spec.cls is TACO:
         return _build_taco(model, lr=lr, rank=rank, target_modules=target_modules, **options)
     if issubclass(spec.cls, Muon):
-        return _build_muon(spec.cls, model, lr=lr, rank=rank, target_modules=target_modules, **options)
+        return _build_muon(name, model, lr=lr, rank=rank, target_modules=target_modules, **options)
     rank, projection = _projection_asked(name, rank, target_modules, options)
     # model.parameters() yields a tied parameter (an embedding shared with the output head) once.
     params = {id(p): p for p in model.parameters() if p.requires_grad}
@@ -79,12 +79,8 @@ def build_optimizer(
         projected_ids, transposed_ids, expert_ids = target_weight_ids(model, target_modules)
         warn_unknown_layouts(model, params)
     projected = [p for i, p in params.items() if i in projected_ids]
-    # Each expert is a matrix of its own: the rank and the savings are the experts'.
-    matrices = [m for p in projected for m in (p.detach().unbind(0) if id(p) in expert_ids else [p])]
     if spec.projected and projected:
-        rank = default_rank(matrices) if rank is None else rank
-        random = {**spec.cls.projection_defaults, **projection}.get("proj_method") == "random"
-        warn_if_projection_saves_nothing(matrices, rank, stored_basis=not random)
+        rank = _rank_for(spec, rank, projection, projected, expert_ids)
     flipped = _choose_side(projection, projected)
     transposed = [p for p in projected if id(p) in transposed_ids] if flipped else []
     experts = [p for p in projected if id(p) in expert_ids]
@@ -133,6 +129,23 @@ def _projection_asked(
     return rank, projection
 
 
+def _rank_for(
+    spec: OptimizerSpec,
+    rank: int | None,
+    projection: dict[str, Any],
+    projected: list[Tensor],
+    expert_ids: set[int],
+) -> int:
+    """The rank of the ``projected`` weights: ``rank``, or ``default_rank`` of their matrices
+    (each expert a matrix of its own: the rank and the savings are the experts'); warns when
+    projection saves no state at it."""
+    matrices = [m for p in projected for m in (p.detach().unbind(0) if id(p) in expert_ids else [p])]
+    rank = default_rank(matrices) if rank is None else rank
+    random = {**spec.cls.projection_defaults, **projection}.get("proj_method") == "random"
+    warn_if_projection_saves_nothing(matrices, rank, stored_basis=not random)
+    return rank
+
+
 def _choose_side(projection: dict[str, Any], projected: list[Tensor]) -> str | None:
     """Set ``projection``'s ``proj_type`` where weights FSDP2 splits by rows need one, and return
     the side a transposed (``Conv1D``) weight takes instead of a named one (None: the same).
@@ -170,11 +183,11 @@ def _build_taco(
         if errors:
             raise ValueError(errors[0])
         fallback["lr"] = float(fallback_lr)
-    linear, transposed, others, vectors = _matrices_and_the_rest(model, target_modules)
+    linear, transposed, experts, others, vectors = _matrices_and_the_rest(model, target_modules)
     groups = [
         {"name": "taco", "params": linear},
         {"name": "taco_transposed", "params": transposed, "transposed": True},
-        {"name": "fallback", "params": others, **fallback},
+        {"name": "fallback", "params": experts + others, **fallback},
         {"name": "no_decay", "params": vectors, **fallback, "weight_decay": 0.0},
     ]
     rate = {} if lr is None else {"lr": lr}  # None: TACO's default
@@ -182,7 +195,7 @@ def _build_taco(
 
 
 def _build_muon(
-    cls: type[Muon],
+    name: str,
     model: nn.Module,
     *,
     lr: float | None,
@@ -190,44 +203,72 @@ def _build_muon(
     target_modules: str | list[str] | None,
     **options: Any,
 ) -> SlimoptOptimizer:
-    """``build_optimizer(model, "muon")`` (and its storage variants): the selected linear layers'
-    weights (``Conv1D`` ones too: orthogonalizing does not mind the layout) in a group ``"muon"``,
-    every other trainable tensor in ``"adamw"`` (matrices: embeddings, the output head, stacked
-    experts) and ``"no_decay"`` (vectors) with ``rule="adamw"`` (Moonlight's recipe), with
-    ``adamw_betas`` and ``adamw_eps`` when given (AdamW's own defaults otherwise; Muon's ``eps``
-    is its iteration's). Muon's step takes ``adjust_lr_fn="match_rms_adamw"`` unless given, so
-    that the one learning rate ``lr`` serves both rules (AdamW's RMS, Moonshot's matching)."""
-    projection = [key for key in options if key in PROJECTION_DEFAULTS] + ["rank"] * (rank is not None)
-    if projection:
-        raise ValueError(f"muon does not project gradients; remove {', '.join(projection)}")
+    """``build_optimizer(model, name)`` for a Muon name: the selected linear layers' weights in a
+    group ``"muon"`` (``Conv1D`` ones in ``"muon_transposed"``, ``transposed=True``, so that the
+    step's shape adjustment reads them as out × in; a mixture of experts' stacked weights in
+    ``"muon_experts"``, each expert orthogonalized as its own matrix), every other trainable
+    tensor in ``"adamw"`` (embeddings, the output head) and ``"no_decay"`` (vectors) with
+    ``rule="adamw"`` (Moonlight's recipe), with ``adamw_betas`` and ``adamw_eps`` when given
+    (AdamW's own defaults otherwise; Muon's ``eps`` is its iteration's). The GaLore names
+    project the Muon groups at ``rank`` (``default_rank`` of their matrices when None) with the
+    projection ``options``: Muon orthogonalizes the projected momentum. Muon's step takes
+    ``adjust_lr_fn="match_rms_adamw"`` unless given, so that the one learning rate ``lr`` serves
+    both rules (AdamW's RMS, Moonshot's matching)."""
+    spec = OPTIMIZERS[name]
+    if spec.projected:
+        rank, projection = _projection_asked(name, rank, target_modules, options)
+    else:
+        asked = [key for key in options if key in PROJECTION_DEFAULTS] + ["rank"] * (rank is not None)
+        if asked:
+            raise ValueError(
+                f"{name} does not project gradients; remove {', '.join(asked)} or choose one of: "
+                f"{', '.join(n for n, s in OPTIMIZERS.items() if s.projected and issubclass(s.cls, Muon))}"
+            )
+        projection = {}
     options.setdefault("adjust_lr_fn", "match_rms_adamw")
     adamw = {"rule": "adamw"}
     for key in ("betas", "eps"):
         if f"adamw_{key}" in options:
             adamw[key] = options.pop(f"adamw_{key}")
-    linear, transposed, others, vectors = _matrices_and_the_rest(model, target_modules)
+    linear, transposed, experts, others, vectors = _matrices_and_the_rest(model, target_modules)
+    flipped = None
+    if spec.projected and linear + transposed + experts:
+        expert_ids = {id(p) for p in experts}
+        rank = _rank_for(spec, rank, projection, linear + transposed + experts, expert_ids)
+        flipped = _choose_side(projection, linear + transposed + experts)
+        projection = {"rank": rank, **projection}
+    transposed_side = {"proj_type": flipped} if flipped else {}
     groups = [
-        {"name": "muon", "params": linear + transposed},
+        {"name": "muon", "params": linear, **projection},
+        {
+            "name": "muon_transposed",
+            "params": transposed,
+            **projection,
+            **transposed_side,
+            "transposed": True,
+        },
+        {"name": "muon_experts", "params": experts, **projection, "experts": True},
         {"name": "adamw", "params": others, **adamw},
         {"name": "no_decay", "params": vectors, **adamw, "weight_decay": 0.0},
     ]
     rate = {} if lr is None else {"lr": lr}  # None: Muon's default
-    return cls([g for g in groups if g["params"]], **rate, **options)
+    return spec.cls([g for g in groups if g["params"]], **rate, **options)
 
 
 def _matrices_and_the_rest(
     model: nn.Module, target_modules: str | list[str] | None
-) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
     """The trainable parameters of ``model`` for an optimizer of matrices with an AdamW
     fallback: the selected linear layers' weights (``slimopt.targets``) in ``nn.Linear``'s
-    layout and in ``Conv1D``'s, every other tensor of two or more dimensions (embeddings, the
-    output head, stacked experts), and the vectors."""
+    layout, in ``Conv1D``'s and a mixture of experts' stacked ones, every other tensor of two or
+    more dimensions (embeddings, the output head) and the vectors."""
     params = {id(p): p for p in model.parameters() if p.requires_grad}
     targets, transposed_ids, expert_ids = target_weight_ids(model, target_modules)
-    chosen = targets - expert_ids  # stacked experts take the fallback
+    plain = targets - transposed_ids - expert_ids
     return (
-        [p for i, p in params.items() if i in chosen and i not in transposed_ids],
+        [p for i, p in params.items() if i in plain],
         [p for i, p in params.items() if i in transposed_ids],
-        [p for i, p in params.items() if i not in chosen and p.dim() >= 2],
+        [p for i, p in params.items() if i in expert_ids],
+        [p for i, p in params.items() if i not in targets and p.dim() >= 2],
         [p for p in params.values() if p.dim() < 2],
     )

@@ -54,6 +54,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "muon8bit": OptimizerSpec(Muon8bit, projected=False),
     "muon4bit": OptimizerSpec(Muon4bit, projected=False),
     "muon_ternary": OptimizerSpec(MuonTernary, projected=False),
+    "galore_muon": OptimizerSpec(Muon, projected=True),
+    "galore_muon8bit": OptimizerSpec(Muon8bit, projected=True),
 }
 
 

@@ -70,6 +70,8 @@ class MuonRule:
         "eps": 1e-7,
         "ns_steps": 5,
         "adjust_lr_fn": None,
+        # slimopt's: weights stored in × out (``Conv1D``), whose shape the adjustment reads reversed.
+        "transposed": False,
     }
 
     def validate(self, group: dict[str, Any]) -> list[str]:
@@ -77,8 +79,9 @@ class MuonRule:
         momentum = number(group["momentum"])
         if momentum is None or not 0 <= momentum < 1:
             errors.append(f"momentum must be a number in [0, 1), got {group['momentum']!r}")
-        if not isinstance(group["nesterov"], bool):
-            errors.append(f"nesterov must be True or False, got {group['nesterov']!r}")
+        for flag in ("nesterov", "transposed"):
+            if not isinstance(group[flag], bool):
+                errors.append(f"{flag} must be True or False, got {group[flag]!r}")
         steps = group["ns_steps"]
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps < MAX_NS_STEPS:
             errors.append(f"ns_steps must be an integer from 1 to {MAX_NS_STEPS - 1}, got {steps!r}")
@@ -92,11 +95,14 @@ class MuonRule:
         if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ADJUST_LR_FNS:
             valid = f"{', '.join(ADJUST_LR_FNS)} or None (original)"
             errors.append(f"unknown adjust_lr_fn {group['adjust_lr_fn']!r}; valid: {valid}")
-        vectors = [tuple(p.shape) for p in group["params"] if p.dim() != 2]
-        if vectors:
+        # A group with ``experts`` holds stacked matrices, each orthogonalized on its own.
+        dims = 3 if group.get("experts") else 2
+        others = [tuple(p.shape) for p in group["params"] if p.dim() != dims]
+        if others:
             errors.append(
-                f"Muon orthogonalizes matrices, and parameters {vectors[:3]} are not 2-D: give them a "
-                "group with rule='adamw' (build_optimizer does)"
+                f"Muon orthogonalizes matrices, and parameters {others[:3]} are not "
+                f"{'stacked matrices (3-D)' if dims == 3 else '2-D'}: give them a group with "
+                "rule='adamw' (build_optimizer does)"
             )
         return errors
 
@@ -111,7 +117,8 @@ class MuonRule:
         ortho = orthogonalized(update, tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
         # The step's shape adjustment, which torch applies to the learning rate of the step (not
         # of the weight decay): the same product, rounded in another order.
-        return ortho.float().mul_(shape_ratio(tuple(update.shape), group["adjust_lr_fn"]))
+        shape = tuple(update.shape[::-1] if group["transposed"] else update.shape)
+        return ortho.float().mul_(shape_ratio(shape, group["adjust_lr_fn"]))
 
     def bias_correction(self, group: dict[str, Any], age: int) -> float:
         return 1.0
