@@ -94,6 +94,10 @@ CONFIGURATIONS = {
     "ternary states, unprojected": dict(
         model="llama_9m", optimizer="adamw_ternary", batch_size=2, seq_len=64
     ),
+    "int8 weights, muon8bit layer-wise": dict(
+        model="llama_9m", optimizer="muon8bit", layerwise=True, dtype="int8", batch_size=2, seq_len=64
+    ),
+    "galore muon": dict(model="llama_9m", optimizer="galore_muon", rank=32, batch_size=2, seq_len=64),
 }
 # Exact to the byte, the peak included (the ternary codec's digit table, a cache of the process,
 # counted on the meta device only, made the plan 1,285 bytes larger than the CPU's count).
@@ -102,6 +106,8 @@ EXACT_PEAKS = (
     "int8 weights, apollo-mini",
     "bf16+8 weights, adamw8bit accumulation",
     "ternary states, unprojected",
+    "int8 weights, muon8bit layer-wise",
+    "galore muon",
 )
 
 

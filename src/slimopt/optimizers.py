@@ -249,9 +249,11 @@ class Muon8bit(Muon):
 
 
 class Muon4bit(Muon):
-    """Muon with a block-wise 4-bit momentum (``states="int4"``)."""
+    """Muon with a block-wise 4-bit momentum (``states="int4"``) in blocks of 256 values (one
+    fp32 scale per 256: 0.516 bytes per parameter; ``docs/results/muon.md`` measures the cost)."""
 
     default_states = "int4"
+    default_block_size = 256
 
 
 class MuonTernary(Muon):

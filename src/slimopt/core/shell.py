@@ -38,6 +38,8 @@ class SlimoptOptimizer(Optimizer):
 
     rule: ClassVar[UpdateRule]
     default_states: ClassVar[str] = "fp32"
+    # The quantization block size of its groups (None: the storage format's own).
+    default_block_size: ClassVar[int | None] = None
     # Hyperparameters of another rule that this optimizer's constructor takes for its groups of
     # that rule (TACO's betas and eps, for its AdamW fallback), by rule name.
     rule_defaults: ClassVar[dict[str, tuple[str, ...]]] = {}
@@ -72,7 +74,7 @@ class SlimoptOptimizer(Optimizer):
     @classmethod
     def option_defaults(cls) -> dict[str, Any]:
         """The defaults of every projection and storage option for this optimizer's groups."""
-        storage = {**STORAGE_DEFAULTS, "states": cls.default_states}
+        storage = {**STORAGE_DEFAULTS, "states": cls.default_states, "block_size": cls.default_block_size}
         return {**PROJECTION_DEFAULTS, **cls.projection_defaults, **storage}
 
     def _start_engine(self) -> None:

@@ -226,7 +226,8 @@ def _build_muon(
             )
         projection = {}
     options.setdefault("adjust_lr_fn", "match_rms_adamw")
-    adamw = {"rule": "adamw"}
+    # AdamW's moments in the storage format's own blocks, unless a block size is given.
+    adamw = {"rule": "adamw", "block_size": options.get("block_size")}
     for key in ("betas", "eps"):
         if f"adamw_{key}" in options:
             adamw[key] = options.pop(f"adamw_{key}")
