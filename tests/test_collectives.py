@@ -2,9 +2,9 @@
 
 NCCL takes only CUDA tensors, gloo CPU ones; a vote built with ``torch.tensor([...])`` lives on
 the CPU, which gloo accepts and NCCL rejects, so CPU tests alone cannot see the mistake. Here two
-gloo processes train (FSDP2 with a skipped step, refreshes, layer-wise clipping; DDP with shared
-refreshes and projected gradient sync; the training loop's loss sum) with torch.distributed's
-tensor collectives wrapped by a checker, under two policies:
+gloo processes train (FSDP2 with a skipped step, refreshes, layer-wise clipping; Muon under FSDP2;
+DDP with shared refreshes and projected gradient sync; the training loop's loss sum) with
+torch.distributed's tensor collectives wrapped by a checker, under two policies:
 
 - ``gloo``: every tensor slimopt hands to a collective is on the CPU;
 - ``nccl`` (pretended on the CPU): every such tensor was put on the group's device by
@@ -149,6 +149,21 @@ def _fsdp2(rank: int) -> None:
     handle.remove()
 
 
+def _fsdp2_muon(rank: int) -> None:
+    """Muon under FSDP2: each matrix's step gathered to its owner, orthogonalized there and its
+    rows scattered back."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    fully_shard(model)
+    optimizer = slimopt.build_optimizer(model, "muon", lr=3e-3)
+    for step in range(2):
+        batch = _batch(step, rank)
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def _ddp_spread(rank: int) -> None:
     """DDP with the refreshes shared out (each basis computed once, its status and factors
     broadcast) and the gradients synchronized as projections (slimopt's communication hook)."""
@@ -182,6 +197,7 @@ def _checked(rank: int, policy: str) -> dict:
     with pytest.MonkeyPatch.context() as patch, pytest.warns(RuntimeWarning):
         checker.wrap(patch)
         _fsdp2(rank)
+        _fsdp2_muon(rank)
         _ddp_spread(rank)
         _loop_sum()
     return {
@@ -203,12 +219,15 @@ def test_every_collective_has_its_tensors_on_the_backends_device(policy: str, tm
             "all_reduce in slimopt.collectives.all_reduce",
             "all_reduce in slimopt.collectives.all_reduce_async",
             "broadcast in slimopt.collectives.broadcast",
+            "gather in slimopt.collectives.gather",
+            "scatter in slimopt.collectives.scatter",
         }
         assert calls == expected, calls  # no collective of slimopt's bypasses the helpers
         # Each place the defect's CPU tensors came from was reached: device flags voted on, a
         # decision agreed on, a gradient norm, refresh sketches, a shared basis and its status,
         # the training loop's sum, a bucket of gradients and projections (DDP's hook).
         reached = {"finite_flags", "all_agree", "gradient_norm", "gram", "compute_on_owner", "sum", "reduce"}
+        reached |= {"on_owner"}  # Muon's matrices, orthogonalized by one process under FSDP2
         assert reached <= set(result["callers"]), result["callers"]
 
 

@@ -4,10 +4,12 @@ and counted.
 NCCL takes only CUDA tensors, gloo CPU ones. A flag or a vote built on the host
 (``torch.tensor([...])``) works under gloo and crashes under NCCL, so every tensor slimopt hands
 to a collective goes through ``to_group_device`` here: ``all_reduce`` (also started without
-waiting, ``all_reduce_async``) and ``broadcast`` are the only collectives slimopt uses, and these
-the only places that call ``torch.distributed`` for a tensor. Each counts the bytes of the tensors
-it hands over, by kind of collective (``sent_bytes``): an all-reduce of n bytes counts n, whatever
-its algorithm sends on the wire (a ring sends 2(N − 1)/N · n from each of N processes).
+waiting, ``all_reduce_async``), ``broadcast``, ``gather`` and ``scatter`` are the only
+collectives slimopt uses, and these the only places that call ``torch.distributed`` for a
+tensor. Each counts the bytes of the tensors it hands over, by kind of collective
+(``sent_bytes``): an all-reduce of n bytes counts n, whatever its algorithm sends on the wire (a
+ring sends 2(N − 1)/N · n from each of N processes); a gather counts each process's part, a
+scatter the parts the source hands out.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch import Tensor
 
 # Bytes handed to each kind of collective by this process since it started ("all_reduce",
-# "broadcast"); read the difference around what is measured.
+# "broadcast", "gather", "scatter"); read the difference around what is measured.
 sent_bytes: Counter[str] = Counter()
 
 
@@ -80,3 +82,26 @@ def broadcast(tensor: Tensor, source: int, group: Any = None) -> Tensor:
     if placed is not tensor:
         tensor.copy_(placed)
     return tensor
+
+
+def gather(tensor: Tensor, destination: int, group: Any = None) -> list[Tensor] | None:
+    """Every process's ``tensor`` (one shape on all of them) on the process of global rank
+    ``destination``, in the group's order; None on the others."""
+    placed = to_group_device(tensor, group)
+    _count("gather", placed)
+    receiving = torch.distributed.get_global_rank(group, torch.distributed.get_rank(group)) == destination
+    count = torch.distributed.get_world_size(group)
+    parts = [to_group_device(torch.empty_like(tensor), group) for _ in range(count)] if receiving else None
+    torch.distributed.gather(placed, parts, dst=destination, group=group)
+    return None if parts is None else [part.to(tensor.device) for part in parts]
+
+
+def scatter(like: Tensor, parts: list[Tensor] | None, source: int, group: Any = None) -> Tensor:
+    """This process's part of ``parts``, which the process of global rank ``source`` holds (one
+    per process of ``group``, in its order, each shaped as ``like``; None elsewhere)."""
+    received = to_group_device(torch.empty_like(like), group)
+    placed = None if parts is None else [to_group_device(part, group) for part in parts]
+    for part in placed or []:
+        _count("scatter", part)
+    torch.distributed.scatter(received, placed, src=source, group=group)
+    return received.to(like.device)

@@ -394,7 +394,8 @@ def _weight_decay_errors(group: dict[str, Any]) -> list[str]:
 
 def sharding_errors(group: dict[str, Any], rule: UpdateRule, owner: str) -> list[str]:
     """DTensors split by rows are updated shard by shard, which is exact for an elementwise
-    rule, and for a projection whose basis is on the unsplit side (right, r×n) found by the
+    rule, for a rule whose whole-matrix part one process computes (Muon's
+    ``sharded_direction``), and for a projection whose basis is on the unsplit side (right, r×n) found by the
     subspace method from all-reduced sketches, or drawn alike on every process (random)."""
     errors = [error for p in group["params"] if (error := placement_error(p)) is not None]
     split = [p for p in group["params"] if split_by_rows(p)]
@@ -406,7 +407,7 @@ def sharding_errors(group: dict[str, Any], rule: UpdateRule, owner: str) -> list
             "(FSDP2), so no process holds whole experts to project; shard them by experts "
             "outside FSDP2, or leave them out of the experts group"
         ]
-    if not rule.elementwise:
+    if not rule.elementwise and not hasattr(rule, "sharded_direction"):
         return [
             f"{owner} needs whole tensors for its update (it is not elementwise), but "
             f"parameters {[tuple(p.shape) for p in split]} are split by rows; use an AdamW "

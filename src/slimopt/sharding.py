@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slimopt.collectives import all_reduce, broadcast
+from slimopt.collectives import all_reduce, broadcast, gather, scatter
 
 
 def initialized() -> bool:
@@ -70,6 +70,25 @@ class RowSharding:
     def all_reduce(self, tensor: Tensor) -> Tensor:
         """``tensor`` summed over the group (in place), identical on every process."""
         return all_reduce(tensor, self.group)
+
+    def on_owner(self, local: Tensor, compute: Callable[[Tensor], Tensor], ordinal: int) -> Tensor:
+        """This process's rows of ``compute(whole)``, where ``whole`` is the tensor of which
+        ``local`` is this process's rows: the shards are gathered to one process (``ordinal``
+        mod N of the group), which alone computes, and its result's rows scattered back, each
+        way in ``local``'s dtype. So a whole-matrix map (Muon's orthogonalization) costs each
+        process its shard sent and received, not every process the whole matrix."""
+        count = torch.distributed.get_world_size(self.group)
+        source = torch.distributed.get_global_rank(self.group, ordinal % count)
+        chunk = -(-self.rows // count)  # torch.chunk's rows per process, the last ones padded
+        padded = local.new_zeros((chunk, *local.shape[1:]))
+        padded[: local.size(0)] = local
+        parts = gather(padded, source, self.group)
+        results = None
+        if parts is not None:
+            whole = compute(torch.cat(parts)[: self.rows])
+            padding = whole.new_zeros((chunk * count - self.rows, *whole.shape[1:]))
+            results = list(torch.cat([whole, padding]).split(chunk))
+        return scatter(padded, results, source, self.group)[: local.size(0)]
 
     def all_agree(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every process of the group."""

@@ -16,7 +16,7 @@ gradients are this process's values (the local rows of an FSDP2 DTensor).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any
@@ -76,7 +76,9 @@ class Engine:
         # Only fused steps compile: the reference path needs neither the settings nor batches.
         probe = self._probes.get("update", nullcontext)
         with kernels.compile_settings() if fuses else nullcontext():
-            for update in apply_together(ready, decisions) if fuses else ready:
+            if fuses:
+                ready = apply_together(ready, decisions)
+            for update in drained(ready):
                 with probe():
                     apply(update, decisions)
         if decisions.waiting:
@@ -389,3 +391,12 @@ class Engine:
     def store_basis(self, unit: Tensor, basis: Basis) -> None:
         """Store ``basis`` as the basis of ``unit`` in its group's ``basis_states`` format."""
         stored_basis.store_basis(self.plan_of(unit), self.state_of(unit), basis)
+
+
+def drained(updates: list[Update]) -> Iterator[Update]:
+    """``updates`` in order, each let go of by the list as it is handed out: an update's fp32
+    gradient (a whole matrix's, for a rule that is not elementwise on bf16 weights) is freed once
+    it is applied, not kept until the step ends."""
+    updates.reverse()
+    while updates:
+        yield updates.pop()

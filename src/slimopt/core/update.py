@@ -14,6 +14,8 @@ step is checked against.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -21,6 +23,7 @@ from slimopt import finite
 from slimopt.codecs.slicing import slices_to_update
 from slimopt.core.fused import fused_update, together, update_together
 from slimopt.core.moments import decode_all, encode
+from slimopt.core.plan import Plan
 from slimopt.core.record import NotCompiled, Outcome, Update, begin
 from slimopt.core.rows import update_by_row_slices
 from slimopt.core.scaling import limited, scaling_factor, write_scaled
@@ -142,6 +145,18 @@ def settle(update: Update, outcome: Outcome, decisions: Decisions) -> None:
         unstep(update.plan, update.state)
 
 
+def rule_direction(plan: Plan, update: Update, state: dict[str, Tensor]) -> Tensor:
+    """The rule's direction for ``update``; for a rule that is not elementwise on a matrix split
+    by rows (Muon under FSDP2, ``sharded_direction``), with its whole-matrix part computed by
+    one process, the parameter's owner by its ordinal."""
+    sharding = plan.sharding
+    if sharding is None or plan.rule.elementwise:
+        return plan.rule.direction(update.grad, state, update.age, plan.group)
+    on_owner = partial(sharding.on_owner, ordinal=plan.place.ordinal)
+    shape = (sharding.rows, *update.grad.shape[1:])
+    return plan.rule.sharded_direction(update.grad, state, plan.group, on_owner, shape)
+
+
 def reference_update(update: Update) -> Outcome:
     """The update through the reference path, after ``record.begin``. A device flag
     ``update.keep`` (the fused step that would have masked by it did not compile) is read here."""
@@ -149,7 +164,7 @@ def reference_update(update: Update) -> Outcome:
     if update.keep is not None and not bool(update.keep):
         return Outcome.SKIPPED
     moments = decode_all(update.storage, state, update.grad.shape)
-    direction = plan.rule.direction(update.grad, {**state, **moments}, update.age, group)
+    direction = rule_direction(plan, update, {**state, **moments})
     encode(update.storage, state, moments, update.generator)
     with matrix_of(plan, update.unit) as weights:
         lr = plan.rule.step_size(group, weights, state[STEP])

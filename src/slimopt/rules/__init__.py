@@ -35,7 +35,9 @@ class UpdateRule(Protocol):
     # state key -> "linear" (first-moment-like) or "square" (second-moment-like)
     moment_kinds: dict[str, str]
     # whether each element's update depends only on that element (then a large matrix may be
-    # updated a slice of rows at a time)
+    # updated a slice of rows at a time). A rule that is not may still take matrices split by
+    # rows across processes (FSDP2) if it has ``sharded_direction`` (``MuonRule``): its
+    # direction for this process's rows, its whole-matrix part computed by one process.
     elementwise: bool
     # statistics the rule keeps as they are, not through a codec, when it factors its second
     # moment (Adafactor's row and column means of a matrix): their state keys, or ()

@@ -5,13 +5,15 @@ adjusted to the matrix's shape; weight decay is decoupled (the optimizer shell a
 the unadjusted rate, as torch does).
 
 Orthogonalizing needs the whole matrix, so the rule is not elementwise: a matrix is never
-updated by slices of rows. Its one moment, the momentum buffer, is stored like any first moment
+updated by slices of rows, and a matrix split by rows across processes (FSDP2) is orthogonalized
+by one of them (``sharded_direction``). Its one moment, the momentum buffer, is stored like any first moment
 (fp32, bf16, int8, int4 or ternary codes; ``slimopt.codecs``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -110,14 +112,39 @@ class MuonRule:
         return {"momentum_buffer": torch.zeros_like(grad)}
 
     def direction(self, grad: Tensor, state: dict[str, Tensor], age: int, group: dict[str, Any]) -> Tensor:
+        update = self._momentum_step(grad, state, group)
+        return self._scaled(self._orthogonalized(update, group), update.shape, group)
+
+    def sharded_direction(
+        self,
+        grad: Tensor,
+        state: dict[str, Tensor],
+        group: dict[str, Any],
+        on_owner: Callable[[Tensor, Callable[[Tensor], Tensor]], Tensor],
+        shape: tuple[int, int],
+    ) -> Tensor:
+        """``direction`` for this process's rows (``grad``) of a matrix of ``shape`` split by
+        rows: the momentum advanced here, elementwise; the step, in the bf16 the iteration
+        starts from, orthogonalized whole by ``on_owner(rows, compute)`` (one process's
+        ``compute`` of the gathered matrix, its rows returned to each). The same arithmetic as
+        ``direction`` on the whole matrix."""
+        update = self._momentum_step(grad, state, group).bfloat16()
+        ortho = on_owner(update, lambda whole: self._orthogonalized(whole, group))
+        return self._scaled(ortho, shape, group)
+
+    def _momentum_step(self, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]) -> Tensor:
         momentum = group["momentum"]
         buffer = state["momentum_buffer"]
         buffer.lerp_(grad, 1 - momentum)
-        update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-        ortho = orthogonalized(update, tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
+        return grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+
+    def _orthogonalized(self, update: Tensor, group: dict[str, Any]) -> Tensor:
+        return orthogonalized(update, tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
+
+    def _scaled(self, ortho: Tensor, shape: tuple[int, ...], group: dict[str, Any]) -> Tensor:
         # The step's shape adjustment, which torch applies to the learning rate of the step (not
         # of the weight decay): the same product, rounded in another order.
-        shape = tuple(update.shape[::-1] if group["transposed"] else update.shape)
+        shape = tuple(shape[::-1] if group["transposed"] else shape)
         return ortho.float().mul_(shape_ratio(shape, group["adjust_lr_fn"]))
 
     def bias_correction(self, group: dict[str, Any], age: int) -> float:
