@@ -320,9 +320,11 @@ def test_experts_option_is_checked() -> None:
         slimopt.Muon([{"params": [torch.nn.Parameter(torch.randn(8, 8))], "experts": True}])
     with pytest.raises(ValueError, match="experts is not an option of build_optimizer"):
         slimopt.build_optimizer(mixtral(), "galore_adamw", lr=1e-3, experts=True)
-    optimizer = slimopt.build_optimizer(mixtral(), "galore_adamw", lr=1e-3, rank=8)
-    with pytest.raises(ValueError, match="layer-wise updates do not cover per-expert projection"):
-        slimopt.layerwise(optimizer)
+    refusal = r"do not cover per-expert updates \(param groups \['\w*experts'\]"
+    for name, options in (("galore_adamw", {"rank": 8}), ("muon", {})):
+        optimizer = slimopt.build_optimizer(mixtral(), name, lr=1e-3, **options)
+        with pytest.raises(ValueError, match=refusal):
+            slimopt.layerwise(optimizer)
 
 
 def test_describe_names_every_parameter_and_its_basis() -> None:
@@ -392,7 +394,7 @@ def test_a_group_of_experts_added_in_layerwise_mode_is_refused_as_at_constructio
     others = [p for p in model.parameters() if p.dim() != 3]
     optimizer = slimopt.GaLoreAdamW(others, lr=1e-3)
     handle = slimopt.layerwise(optimizer)
-    with pytest.raises(ValueError, match="layer-wise updates do not cover per-expert projection"):
+    with pytest.raises(ValueError, match="layer-wise updates do not cover per-expert updates"):
         optimizer.add_param_group({"params": experts, "rank": 4, "experts": True})
     assert len(optimizer.param_groups) == 1
     handle.remove()

@@ -79,9 +79,10 @@ def _refuse_experts(groups: list[tuple[int, dict[str, Any]]]) -> None:
     experts = [group.get("name", f"group {i}") for i, group in groups if group["experts"]]
     if experts:
         raise ValueError(
-            f"layer-wise updates do not cover per-expert projection (param groups {experts} have "
-            "experts=True); step the optimizer after backward, or project the experts as whole "
-            "tensors in another optimizer"
+            f"layer-wise updates do not cover per-expert updates (param groups {experts} have "
+            "experts=True: each expert projected, or orthogonalized by Muon, on its own); step "
+            "the optimizer after backward, or update the experts in another optimizer stepped "
+            "after backward"
         )
 
 
