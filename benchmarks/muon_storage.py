@@ -3,10 +3,10 @@ costs, measured where it matters, in the orthogonalized update.
 
 Trains the architectures benchmark's LLaMA row (hidden 64) with fp32 Muon and, at a few steps,
 stores every Muon matrix's momentum in each candidate format (8 and 4 bits, the dynamic-exponent
-map slimopt uses or a linear absmax map as the 8-bit Muon paper uses, several block sizes), then
-compares against fp32: the momentum's relative error and that of the step Muon takes from it
-(the Nesterov look-ahead orthogonalized), both as norms over all matrices, with the bytes each
-format stores per parameter (codes and fp32 absmax).
+map slimopt uses or a linear absmax map as the 8-bit Muon paper uses, several block sizes; and
+slimopt's ternary format), then compares against fp32: the momentum's relative error and that
+of the step Muon takes from it (the Nesterov look-ahead orthogonalized), both as norms over all
+matrices, with the bytes each format stores per parameter (what its encoding holds).
 
     python -m benchmarks.muon_storage [--steps 300] [--at 50,150,300]
 
@@ -16,11 +16,15 @@ prints a markdown table.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
 import slimopt
 from benchmarks.architectures import corpus_bytes, lm_task
+from slimopt.codecs import moment_codec
+from slimopt.codecs.base import Codec
 from slimopt.codecs.blockwise import BlockwiseCodec
 from slimopt.codecs.maps import dynamic_map
 from slimopt.rules.muon import NS_COEFFICIENTS, orthogonalized
@@ -31,26 +35,17 @@ def linear_map(bits: int) -> torch.Tensor:
     return torch.linspace(-1.0, 1.0, 2**bits)
 
 
-class Bf16:
-    """bf16 momentum, for scale: the error of a rounding to 8 significant bits."""
-
-    bits, block_size = 16, float("inf")
-
-    def encode(self, value: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"value": value.bfloat16()}
-
-    def decode(self, stored: dict[str, torch.Tensor], shape: torch.Size) -> torch.Tensor:
-        return stored["value"].float()
-
-
-def candidates() -> dict[str, BlockwiseCodec | Bf16]:
-    """The formats compared, by label."""
-    formats: dict[str, BlockwiseCodec | Bf16] = {"bf16": Bf16()}
+def candidates() -> dict[str, Callable[[torch.Size], Codec]]:
+    """The formats compared, by label: each a codec for a momentum of a given shape."""
+    formats: dict[str, Callable[[torch.Size], Codec]] = {
+        "bf16": partial(moment_codec, "bf16", "linear"),
+        "ternary (slimopt's)": partial(moment_codec, "ternary", "linear"),
+    }
     for bits, sizes in ((8, (256, 2048)), (4, (64, 128, 256))):
         dynamic = dynamic_map(signed=True) if bits == 8 else dynamic_map(True, total_bits=4, exponent_bits=3)
         for size in sizes:
-            formats[f"int{bits} dynamic, block {size}"] = BlockwiseCodec(dynamic, size)
-            formats[f"int{bits} linear, block {size}"] = BlockwiseCodec(linear_map(bits), size)
+            for name, values in (("dynamic", dynamic), ("linear", linear_map(bits))):
+                formats[f"int{bits} {name}, block {size}"] = lambda _, v=values, n=size: BlockwiseCodec(v, n)
     return formats
 
 
@@ -68,7 +63,9 @@ def measure(args: argparse.Namespace) -> list[tuple[str, float, float, float]]:
     generator = torch.Generator().manual_seed(1)
     formats = candidates()
     errors = {label: [0.0, 0.0] for label in formats}
+    stored_bytes = dict.fromkeys(formats, 0)
     totals = [0.0, 0.0]
+    elements = 0
     for step in range(1, args.steps + 1):
         model(**task.batch(generator, 16)).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -82,16 +79,18 @@ def measure(args: argparse.Namespace) -> list[tuple[str, float, float, float]]:
             exact = step_of(buffer, grad)
             totals[0] += float(buffer.norm() ** 2)
             totals[1] += float(exact.norm() ** 2)
-            for label, codec in formats.items():
-                stored = codec.decode(codec.encode(buffer), buffer.shape)
+            elements += buffer.numel()
+            for label, codec_for in formats.items():
+                codec = codec_for(buffer.shape)
+                encoded = codec.encode(buffer, generator)
+                stored_bytes[label] += sum(t.numel() * t.element_size() for t in encoded.values())
+                stored = codec.decode(encoded, buffer.shape)
                 errors[label][0] += float((stored - buffer).norm() ** 2)
                 errors[label][1] += float((step_of(stored, grad) - exact).norm() ** 2)
     rows = []
-    for label, codec in formats.items():
-        nbytes = codec.bits / 8 + 4 / codec.block_size
-        rows.append(
-            (label, nbytes, (errors[label][0] / totals[0]) ** 0.5, (errors[label][1] / totals[1]) ** 0.5)
-        )
+    for label in formats:
+        momentum, step = ((errors[label][k] / totals[k]) ** 0.5 for k in range(2))
+        rows.append((label, stored_bytes[label] / elements, momentum, step))
     return rows
 
 
