@@ -11,6 +11,7 @@ best rate and its reference's are run again with a second seed and the two seeds
 compared.
 
     python -m benchmarks.muon [--out runs/muon] [--rows llama,gpt2] [--optimizers ...] [--tiny]
+                              [--sweep N] [--rates 1e-2,2e-2] [--set momentum=0.5 ...]
 
 writes ``results.json`` and ``results.md`` (the table against the goals, then every rate's
 metric) to ``--out``.
@@ -44,11 +45,23 @@ ROWS = ("llama", "gpt2", "qwen2", "gpt_neox", "opt", "mixtral", "t5", "full", "l
 CLOSE = 0.01
 
 
-def learning_rates(name: str) -> list[float]:
-    """``name``'s sweep: ``RATES``, three times them for a GaLore name (as the architectures
+def learning_rates(name: str, rates: tuple[float, ...] = RATES) -> list[float]:
+    """``name``'s sweep: ``rates``, three times them for a GaLore name (as the architectures
     benchmark scales GaLore's)."""
     factor = GALORE_FACTOR if name.startswith("galore") else 1
-    return [lr * factor for lr in RATES]
+    return [lr * factor for lr in rates]
+
+
+def option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` as an optimizer option: the value a number where it reads as one."""
+    key, _, value = text.partition("=")
+    try:
+        return key, int(value)
+    except ValueError:
+        try:
+            return key, float(value)
+        except ValueError:
+            return key, value
 
 
 def applies(name: str, task_optimizers: tuple[str, ...]) -> bool:
@@ -62,7 +75,7 @@ def second_seed(task: Any, entry: dict[str, Any], name: str, args: argparse.Name
     """Add ``name``'s seed-1 metric at its best rate to ``entry`` and the two seeds' mean."""
     if "seeds" in entry:
         return
-    again = train_once(task, name, entry["best_lr"], args.steps, args.batch_size, seed=1)["metric"]
+    again = train_once(task, name, entry["best_lr"], args.steps, args.batch_size, args.set, seed=1)["metric"]
     entry["seeds"] = [entry["metric"], again]
     entry["mean"] = (entry["metric"] + again) / 2
     print(f"{task.name:34s} {name:30s} seed 1 {task.metric} {again:.4f}", flush=True)
@@ -93,8 +106,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row: dict[str, Any] = {"task": task.name, "metric": task.metric, "optimizers": {}}
         for name in args.optimizers:
             if applies(name, task.optimizers):
-                lrs = learning_rates(name)[: args.sweep]
-                row["optimizers"][name] = sweep(task, name, lrs, args.steps, args.batch_size)
+                lrs = learning_rates(name, args.rates)[: args.sweep]
+                row["optimizers"][name] = sweep(task, name, lrs, args.steps, args.batch_size, args.set)
         verdicts(row, task, args)
         results["rows"].append(row)
         (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -148,11 +161,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--sweep", type=int, default=len(RATES), help="how many of the rates to try, lowest first"
     )
+    parser.add_argument(
+        "--rates",
+        type=lambda s: tuple(float(v) for v in s.split(",")),
+        default=RATES,
+        help="comma-separated learning rates (a GaLore name's three times these)",
+    )
+    parser.add_argument(
+        "--set",
+        type=option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an optimizer option for every run (repeatable), e.g. momentum=0.5",
+    )
     parser.add_argument("--pretrain-steps", type=int, default=600, help="of the fine-tuning rows' base")
     parser.add_argument(
         "--tiny", action="store_true", help="a smoke run: two rows, three optimizers, 3 steps"
     )
     args = parser.parse_args(argv)
+    args.set = dict(args.set)
     unknown = sorted(set(args.optimizers) - set(slimopt.available_optimizers()))
     if unknown:
         parser.error(f"unknown optimizers {unknown}; valid: {', '.join(slimopt.available_optimizers())}")
