@@ -82,17 +82,19 @@ def second_seed(task: Any, entry: dict[str, Any], name: str, args: argparse.Name
 
 
 def verdicts(row: dict[str, Any], task: Any, args: argparse.Namespace) -> None:
-    """Each optimizer's distance to its goal on ``row``, with a second seed for close calls."""
+    """Each optimizer's distance to its goal on ``row``: close calls (by the first seed) run a
+    second seed first, then every verdict compares means, so a reference that gained a second
+    seed for another name's close call is read the same way by every name. Without ``task``
+    the verdicts are read again from the metrics already there."""
     found = row["optimizers"]
-    for name, entry in found.items():
-        if name not in GOALS or GOALS[name][0] not in found:
-            continue
-        reference_name, goal = GOALS[name]
-        reference = found[reference_name]
-        worse = relative(row["metric"], entry["metric"], reference["metric"])
-        if task is not None and abs(worse - goal) < CLOSE:
-            second_seed(task, entry, name, args)
-            second_seed(task, reference, reference_name, args)
+    pairs = [(name, *GOALS[name]) for name in found if name in GOALS and GOALS[name][0] in found]
+    for name, reference_name, goal in pairs if task is not None else []:
+        worse = relative(row["metric"], found[name]["metric"], found[reference_name]["metric"])
+        if abs(worse - goal) < CLOSE:
+            second_seed(task, found[name], name, args)
+            second_seed(task, found[reference_name], reference_name, args)
+    for name, reference_name, goal in pairs:
+        entry, reference = found[name], found[reference_name]
         value, against = entry.get("mean", entry["metric"]), reference.get("mean", reference["metric"])
         worse = relative(row["metric"], value, against)
         entry["against"] = {"reference": reference_name, "worse": worse, "goal": goal, "met": worse <= goal}
