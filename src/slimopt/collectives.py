@@ -89,7 +89,7 @@ def gather(tensor: Tensor, destination: int, group: Any = None) -> list[Tensor] 
     ``destination``, in the group's order; None on the others."""
     placed = to_group_device(tensor, group)
     _count("gather", placed)
-    receiving = torch.distributed.get_global_rank(group, torch.distributed.get_rank(group)) == destination
+    receiving = torch.distributed.get_rank() == destination
     count = torch.distributed.get_world_size(group)
     parts = [to_group_device(torch.empty_like(tensor), group) for _ in range(count)] if receiving else None
     torch.distributed.gather(placed, parts, dst=destination, group=group)

@@ -395,8 +395,9 @@ def _weight_decay_errors(group: dict[str, Any]) -> list[str]:
 def sharding_errors(group: dict[str, Any], rule: UpdateRule, owner: str) -> list[str]:
     """DTensors split by rows are updated shard by shard, which is exact for an elementwise
     rule, for a rule whose whole-matrix part one process computes (Muon's
-    ``sharded_direction``), and for a projection whose basis is on the unsplit side (right, r×n) found by the
-    subspace method from all-reduced sketches, or drawn alike on every process (random)."""
+    ``sharded_direction``), and for a projection whose basis is on the unsplit side (right, r×n)
+    found by the subspace method from all-reduced sketches, or drawn alike on every process
+    (random)."""
     errors = [error for p in group["params"] if (error := placement_error(p)) is not None]
     split = [p for p in group["params"] if split_by_rows(p)]
     if errors or not split:

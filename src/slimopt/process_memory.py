@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from slimopt.core.state import is_basis_key
 from slimopt.distributed import STRATEGIES
+from slimopt.sharding import chunk_rows
 
 # A decoder layer is one FSDP2 unit (``fully_shard`` per layer, then the model).
 LAYER = re.compile(r"(.*\.layers\.\d+)\.")
@@ -114,7 +115,7 @@ def per_process(
         _scale(terms, "optimizer_states", sum(p.states for p in owned), totals["states"])
         _scale(terms, "projection_bases", bases, totals["basis"])
     if strategy == "fsdp2":
-        share = {p.name: _first_chunk(p.rows, processes) / p.rows for p in parameters}
+        share = {p.name: chunk_rows(p.rows, processes) / p.rows for p in parameters}
         kept = sum(p.states * share[p.name] + p.basis for p in parameters)
         _scale(terms, "weights", sum(p.weight * share[p.name] for p in parameters), totals["weight"])
         for term, key in (("gradients", "gradient"), ("optimizer_states", "states")):
@@ -137,11 +138,6 @@ def per_process(
 def _scale(terms: dict[str, Any], term: str, part: float, whole: int) -> None:
     """Scale ``terms[term]`` by ``part / whole`` (the share of it this process holds)."""
     terms[term] = terms.get(term, 0) * (part / whole) if whole else terms.get(term, 0)
-
-
-def _first_chunk(rows: int, processes: int) -> int:
-    """Rows process 0 holds when ``rows`` are split as ``torch.chunk`` splits them."""
-    return -(-rows // processes)
 
 
 def _zero_partition(parameters: list[ParameterBytes], processes: int) -> list[list[ParameterBytes]]:

@@ -78,8 +78,8 @@ class RowSharding:
         way in ``local``'s dtype. So a whole-matrix map (Muon's orthogonalization) costs each
         process its shard sent and received, not every process the whole matrix."""
         count = torch.distributed.get_world_size(self.group)
-        source = torch.distributed.get_global_rank(self.group, ordinal % count)
-        chunk = -(-self.rows // count)  # torch.chunk's rows per process, the last ones padded
+        source = owner_rank(ordinal, self.group)
+        chunk = chunk_rows(self.rows, count)  # the last processes' parts padded to it
         padded = local.new_zeros((chunk, *local.shape[1:]))
         padded[: local.size(0)] = local
         parts = gather(padded, source, self.group)
@@ -103,6 +103,18 @@ def whole_norm(local: Tensor, sharding: RowSharding | None) -> Tensor:
     if sharding is not None:
         sharding.all_reduce(squared)
     return squared.sqrt()
+
+
+def chunk_rows(rows: int, count: int) -> int:
+    """Rows per process when ``rows`` are split over ``count`` processes as ``torch.chunk`` (and
+    so DTensor) splits them: ⌈rows/count⌉, the last processes fewer or none."""
+    return -(-rows // count)
+
+
+def owner_rank(ordinal: int, group: Any) -> int:
+    """The global rank of process ``ordinal`` mod N of ``group``: the one that computes a
+    result the others receive (a basis, a Muon matrix's orthogonalization), dealt in turn."""
+    return torch.distributed.get_global_rank(group, ordinal % torch.distributed.get_world_size(group))
 
 
 def placement_error(param: Tensor) -> str | None:
@@ -131,7 +143,7 @@ def row_sharding(param: Tensor) -> RowSharding | None:
         return None
     mesh = param.device_mesh
     rows, place, count = param.shape[0], mesh.get_local_rank(), mesh.size()
-    chunk = -(-rows // count)
+    chunk = chunk_rows(rows, count)
     offset = min(place * chunk, rows)
     local = param.to_local().shape[0]
     if local != min(chunk, rows - offset):
@@ -149,11 +161,9 @@ def compute_on_owner(
     computed only by process ``ordinal`` mod N of ``group`` and broadcast to the others, which
     allocate its ``sides`` for the m×n ``grad`` at ``rank``.
     Raises ``RuntimeError`` on every process when the owner's computation failed."""
-    place = torch.distributed.get_rank(group)
-    owner = ordinal % torch.distributed.get_world_size(group)
-    source = torch.distributed.get_global_rank(group, owner)
+    source = owner_rank(ordinal, group)
     basis, failure = None, ""
-    if place == owner:
+    if torch.distributed.get_rank() == source:
         try:
             basis = compute()
         except RuntimeError as error:

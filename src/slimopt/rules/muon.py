@@ -6,8 +6,8 @@ the unadjusted rate, as torch does).
 
 Orthogonalizing needs the whole matrix, so the rule is not elementwise: a matrix is never
 updated by slices of rows, and a matrix split by rows across processes (FSDP2) is orthogonalized
-by one of them (``sharded_direction``). Its one moment, the momentum buffer, is stored like any first moment
-(fp32, bf16, int8, int4 or ternary codes; ``slimopt.codecs``).
+by one of them (``sharded_direction``). Its one moment, the momentum buffer, is stored like any
+first moment (fp32, bf16, int8, int4 or ternary codes; ``slimopt.codecs``).
 """
 
 from __future__ import annotations
