@@ -123,8 +123,11 @@ def test_the_host_learns_a_skip_only_later_and_the_step_reads_nothing(monkeypatc
 
 
 def test_flags_are_exact_where_a_norm_would_overflow() -> None:
-    """The infinity norm cannot overflow: 1e30 everywhere is finite (its 2-norm is not)."""
+    """Where a sum (the CPU's vote) or a 2-norm would overflow, the flag is still exact: 1e30
+    everywhere, and 3e38 beside 3e38 (a sum of inf), are finite."""
     big = torch.full((64, 64), 1e30)
+    huge = torch.full((2,), 3e38)
+    assert finite_flags([huge, -huge, huge.bfloat16()], [None] * 3) == [True] * 3
     nan = torch.zeros(5)
     nan[4] = float("nan")
     grads = [big, nan, torch.tensor([float("-inf")]), torch.zeros(0), big.bfloat16()]

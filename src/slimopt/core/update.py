@@ -51,7 +51,8 @@ def decide(updates: list[Update]) -> list[bool | Tensor]:
         grads.append(real(update.grad))
         groups.append(None if plan.sharding is None else plan.sharding.group)
         on_device.append(plan.flags_on_device and decides_on_device(update))
-    return finite.decisions(finite.finite_flags(grads, groups), on_device)
+    flags = finite.finite_flags(grads, groups, host_reads=not any(on_device))
+    return finite.decisions(flags, on_device)
 
 
 def combined(first: list[bool | Tensor], second: list[bool | Tensor]) -> list[bool | Tensor]:
