@@ -33,18 +33,41 @@ def orthogonalized(
 ) -> Tensor:
     """The bf16 Newton–Schulz approximation of ``matrix``'s orthogonal factor (U Vᵀ of its SVD,
     singular values driven towards 1), as ``torch.optim.Muon`` computes it: normalized by its
-    Frobenius norm (at least ``eps``), on the wide orientation, ``steps`` quintic iterations."""
+    Frobenius norm (at least ``eps``), on the wide orientation, ``steps`` quintic iterations.
+    A stack of matrices (batch × rows × columns) is orthogonalized matrix by matrix in batched
+    products, with the same bits as one matrix at a time on the CPU."""
+    ortho = iterated(normalized_wide(matrix, eps), coefficients, steps)
+    return ortho.mT if is_tall(matrix) else ortho
+
+
+def iterated(ortho: Tensor, coefficients: tuple[float, float, float], steps: int) -> Tensor:
+    """``steps`` quintic iterations from ``ortho`` (``normalized_wide``: bf16, wide, a matrix or
+    a stack of them), each three products whose scaling and sum are rounded once."""
     a, b, c = coefficients
-    ortho = matrix.bfloat16()
-    tall = matrix.size(0) > matrix.size(1)
-    if tall:
-        ortho = ortho.T
-    ortho.div_(ortho.norm().clamp(min=eps))
+    add_product = torch.baddbmm if ortho.dim() == 3 else torch.addmm
     for _ in range(steps):
-        gram = ortho @ ortho.T
-        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        ortho = torch.addmm(ortho, update, ortho, beta=a)
-    return ortho.T if tall else ortho
+        gram = ortho @ ortho.mT
+        update = add_product(gram, gram, gram, beta=b, alpha=c)
+        ortho = add_product(ortho, update, ortho, beta=a)
+    return ortho
+
+
+def is_tall(matrix: Tensor) -> bool:
+    """Whether ``matrix`` (or each of a stack) has more rows than columns: the iteration runs on
+    its transpose, whose products are smaller."""
+    return matrix.size(-2) > matrix.size(-1)
+
+
+def normalized_wide(matrix: Tensor, eps: float) -> Tensor:
+    """Where the iteration starts: ``matrix`` (or each of a stack) in bf16 on its wide
+    orientation (a tall one's transpose, as a view), divided by its Frobenius norm, at least
+    ``eps``."""
+    ortho = matrix.bfloat16()
+    # A stack's norms each as its matrix alone would have it.
+    norms = torch.stack([one.norm() for one in ortho]).view(-1, 1, 1) if ortho.dim() == 3 else ortho.norm()
+    # Divided in place in a copy, not in the caller's bf16 matrix.
+    ortho = ortho.div(norms.clamp(min=eps)) if ortho is matrix else ortho.div_(norms.clamp(min=eps))
+    return ortho.mT if is_tall(matrix) else ortho
 
 
 def shape_ratio(shape: tuple[int, int], adjust_lr_fn: str | None) -> float:
@@ -144,8 +167,12 @@ class MuonRule:
     def _scaled(self, ortho: Tensor, shape: tuple[int, ...], group: dict[str, Any]) -> Tensor:
         # The step's shape adjustment, which torch applies to the learning rate of the step (not
         # of the weight decay): the same product, rounded in another order.
+        return ortho.float().mul_(self.ratio(shape, group))
+
+    def ratio(self, shape: tuple[int, ...], group: dict[str, Any]) -> float:
+        """``shape_ratio`` of an update of ``shape`` (as the rule sees it) in ``group``."""
         shape = tuple(shape[::-1] if group["transposed"] else shape)
-        return ortho.float().mul_(shape_ratio(shape, group["adjust_lr_fn"]))
+        return shape_ratio(shape, group["adjust_lr_fn"])
 
     def bias_correction(self, group: dict[str, Any], age: int) -> float:
         return 1.0
