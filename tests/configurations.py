@@ -92,7 +92,8 @@ class Configuration:
         refused at construction, naming why)."""
         spec = OPTIMIZERS[self.name]
         scales = spec.projected and {**spec.cls.option_defaults(), **dict(spec.options)}["scale_type"]
-        return () if spec.cls.rule.fused is None or scales else ("cpu", "cuda")
+        subspace_muon = spec.projected and spec.cls.rule.fused == "muon"
+        return () if spec.cls.rule.fused is None or scales or subspace_muon else ("cpu", "cuda")
 
     @property
     def lr(self) -> float:

@@ -220,7 +220,7 @@ def test_auto_fuses_on_cuda_only_and_says_why() -> None:
     optimizer = slimopt.build_optimizer(model, "adamw8bit", lr=1e-3)
     assert optimizer.fused_path[0] == "reference (auto fuses on CUDA, parameters on cpu)"
     taco = slimopt.build_optimizer(model, "taco", lr=None)
-    assert "the TACO rule has no fused step (AdamW and Adafactor only)" in taco.fused_path[0]
+    assert "the TACO rule has no fused step (AdamW, Adafactor and Muon only)" in taco.fused_path[0]
     off = slimopt.build_optimizer(model, "adamw", lr=1e-3, fused=False)
     assert off.fused_path[0] == "reference (fused=False)"
     # A group without elements takes no path (it read "parameters on )").
@@ -244,6 +244,10 @@ def test_auto_fuses_on_cuda_only_and_says_why() -> None:
         (
             lambda m: slimopt.GaLoreAdafactor([torch.nn.Parameter(torch.randn(64, 32, 3, 3))], fused=True),
             "Adafactor's factored statistics of tensors with more than 2 dimensions have no fused step",
+        ),
+        (
+            lambda m: slimopt.build_optimizer(m, "galore_muon", lr=1e-3, fused=True),
+            "Muon in a projected subspace (galore_muon) has no fused step",
         ),
         (
             lambda m: slimopt.build_optimizer(m, "adamw", lr=1e-3, fused="yes"),

@@ -77,6 +77,16 @@ def test_without_accumulation_layerwise_equals_stepping(shakespeare_tokens, name
         assert torch.equal(ours, theirs)
 
 
+def test_muons_fused_step_layerwise_equals_stepping(shakespeare_tokens):
+    """Layer-wise, each matrix takes Muon's fused step alone, where a step batches those of one
+    shape: the same bits."""
+    reference = _stepping(shakespeare_tokens, "muon8bit", 1, fused=True)
+    for ours, theirs in zip(
+        _layerwise(shakespeare_tokens, "muon8bit", 1, fused=True), reference, strict=True
+    ):
+        assert torch.equal(ours, theirs)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_with_accumulation_layerwise_matches_stepping(shakespeare_tokens, name):
     """With k = 4 a projected matrix sums projected micro-batch gradients, P(g1) + … + P(g4),

@@ -34,4 +34,5 @@ def test_every_triton_kernel_compiles_for_sm90() -> None:
         "_column_scales",
         "_block_exponents",
         "_digits",
+        "_product_kernel",
     }, compiled

@@ -234,7 +234,11 @@ def fused_unsupported(rule: UpdateRule, group: dict[str, Any], param: Tensor) ->
     under ``rule``, or None."""
     if rule.fused is None:
         name = type(rule).__name__.removesuffix("Rule")
-        return f"the {name} rule has no fused step (AdamW and Adafactor only)"
+        return f"the {name} rule has no fused step (AdamW, Adafactor and Muon only)"
+    if rule.fused == "muon" and is_projected(param, group):
+        return "Muon in a projected subspace (galore_muon) has no fused step"
+    if rule.fused == "muon" and split_by_rows(param):
+        return "Muon's matrices split across processes (FSDP2) have no fused step"
     if rule.fused == "adafactor" and param.dim() > 2:
         return "Adafactor's factored statistics of tensors with more than 2 dimensions have no fused step"
     if "ternary" in str(group["states"]).split("/") and param.dim() > 2:

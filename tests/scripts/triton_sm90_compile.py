@@ -24,7 +24,12 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import slimopt  # noqa: E402
 from slimopt import kernels  # noqa: E402
-from slimopt.kernels import triton_adamw, triton_multi_tensor, triton_ternary  # noqa: E402
+from slimopt.kernels import (  # noqa: E402
+    triton_adamw,
+    triton_multi_tensor,
+    triton_newton_schulz,
+    triton_ternary,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 KERNELS = [
@@ -34,6 +39,7 @@ KERNELS = [
     (triton_ternary, "_column_scales"),
     (triton_ternary, "_block_exponents"),
     (triton_ternary, "_digits"),
+    (triton_newton_schulz, "_product_kernel"),
 ]
 POINTEE = {
     torch.float32: "fp32",
@@ -44,7 +50,8 @@ POINTEE = {
     torch.bool: "i1",
 }
 # The optimizers and options stepped: every storage format, fp32 and bf16 weights (rounded to
-# nearest and stochastically), whole and projected matrices (the direction returned).
+# nearest and stochastically), whole and projected matrices (the direction returned), Muon's
+# iteration (its symmetric and plain products).
 RUNS = [
     ("adamw", {}),
     ("adamw", {"states": "bf16"}),
@@ -54,6 +61,7 @@ RUNS = [
     ("adamw_ternary", {"param_rounding": "stochastic"}),
     ("galore_adamw8bit", {"rank": 32}),
     ("galore_adamw_ternary", {"rank": 32}),
+    ("muon", {}),
 ]
 
 
@@ -84,7 +92,7 @@ def record_launches() -> list:
     for module, name in KERNELS:
         setattr(module, name, Recorder(getattr(module, name), launches))
     # The Triton kernels, and skip flags kept on the device, on the CPU as on CUDA.
-    policy = kernels.FusedPolicy(triton=("cuda", "cpu"), flags=("cuda", "cpu"))
+    policy = kernels.FusedPolicy(triton=("cuda", "cpu"), flags=("cuda", "cpu"), iteration=("cuda", "cpu"))
     for dtype in (torch.float32, torch.bfloat16):
         for name, options in RUNS:
             torch.manual_seed(0)

@@ -1,7 +1,8 @@
 """The fused path of one update (``slimopt.kernels``): moments and weights in one compiled step,
-or for a projected matrix the direction, projected back as the reference path does; and the
-small AdamW tensors of a step together in one call. Where auto mode's fused step does not
-compile, its optimizer gives it up for good (``NotCompiled``, a warning)."""
+or for a projected matrix the direction, projected back as the reference path does; the small
+AdamW tensors of a step together in one call; Muon's matrices of one shape in batches. Where
+auto mode's fused step does not compile, its optimizer gives it up for good (``NotCompiled``, a
+warning)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from slimopt.core.record import NotCompiled, Outcome, Update, begin
 from slimopt.core.state import STEP
 from slimopt.core.tensors import as_matrix, values
 from slimopt.core.weights import matrix_of, update_weights_projected, weight_step
-from slimopt.kernels import adafactor, adamw
+from slimopt.kernels import adafactor, adamw, muon
 from slimopt.kernels.adafactor import AdafactorScalars
 from slimopt.rules import AdamWRule
 
@@ -30,6 +31,8 @@ def fused_update(update: Update) -> Outcome:
     when there is one. Raises ``NotCompiled`` (nothing written) when auto mode could not
     compile it."""
     plan, state, group = update.plan, update.state, update.plan.group
+    if plan.rule.fused == "muon":  # a batch of one
+        return update_muon([update])[0]
     step = state[STEP]
     with matrix_of(plan, update.unit) as weights:
         moments = stored_moments(update)
@@ -159,6 +162,63 @@ def update_together(batch: list[Update]) -> list[Outcome]:
         if any(u.plan.group["fused"] is True for u in batch):
             raise
         give_up_auto(batch[0].plan.policy, error)
+        raise NotCompiled from error
+    return [Outcome.TAKEN if u.keep is None else Outcome.MASKED for u in batch]
+
+
+def muon_batch(update: Update) -> tuple[Any, ...] | None:
+    """The batch ``update`` joins in Muon's fused step (``update_muon``), or None: a whole matrix
+    (not projected) on the fused path, with the others of its device, group, shape, weight dtype
+    and momentum storage."""
+    plan = update.plan
+    if plan.rule.fused != "muon" or not plan.fused or update.basis is not None:
+        return None
+    (codec,) = plan.storage(plan.layout(update.grad.shape)).codecs.values()  # Muon's one moment
+    weights = values(update.unit)
+    return (weights.device, id(plan.group), tuple(update.grad.shape), weights.dtype, codec.storage)
+
+
+def update_muon(batch: list[Update]) -> list[Outcome]:
+    """Every update of ``batch`` (begun: ``record.begin``; ``muon_batch`` gives each the same
+    batch) in one ``kernels.muon_step`` call. Raises ``NotCompiled`` (nothing written) when auto
+    mode could not compile it; ``fused=True`` raises the failure."""
+    first = batch[0]
+    plan, group, device = first.plan, first.plan.group, first.grad.device
+    grads, moments, weights, keeps = [], [], [], []
+    seeds: tuple[list[Tensor | None], list[Tensor | None]] = ([], [])
+    storage, table = None, ()
+    for update in batch:
+        ((parts, storage, table),) = stored_moments(update).values()
+        grads.append(update.grad)
+        moments.append(parts)
+        weights.append(values(update.unit))
+        keeps.append(update.keep)
+        # Drawn in the reference path's order: the buffer's rounding, then the weights'.
+        seeds[0].append(stream_seed(update.generator, device) if storage.stochastic else None)
+        seeds[1].append(stream_seed(update.generator, device) if plan.rounds_weights else None)
+    lr = plan.rule.step_size(group, weights[0], first.state[STEP])
+    ratio = plan.rule.ratio(tuple(first.grad.shape), group)
+    hyper = muon.hyperparameters(group["momentum"], lr, group["weight_decay"], ratio, device)
+    iteration = (tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
+    try:
+        triton = plan.policy.iteration_on(device.type)
+        kernels.muon_step(
+            grads,
+            moments,
+            storage,
+            table,
+            hyper,
+            weights,
+            seeds,
+            keeps,
+            iteration,
+            group["nesterov"],
+            triton=triton,
+        )
+    except kernels.compile_failures() as error:
+        if group["fused"] is True:
+            raise
+        give_up_auto(plan.policy, error)
         raise NotCompiled from error
     return [Outcome.TAKEN if u.keep is None else Outcome.MASKED for u in batch]
 

@@ -14,6 +14,7 @@ step is checked against.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from slimopt import finite
 from slimopt.codecs.slicing import slices_to_update
-from slimopt.core.fused import fused_update, together, update_together
+from slimopt.core.fused import fused_update, muon_batch, together, update_muon, update_together
 from slimopt.core.moments import decode_all, encode
 from slimopt.core.plan import Plan
 from slimopt.core.record import NotCompiled, Outcome, Update, begin
@@ -76,30 +77,64 @@ def combined(first: list[bool | Tensor], second: list[bool | Tensor]) -> list[bo
 
 
 def apply_together(updates: list[Update], decisions: Decisions) -> list[Update]:
-    """Apply the small tensors among ``updates`` that ``fused.together`` admits, in one call
-    per device; return the others, in their order, for ``apply``."""
-    batches: dict[object, list[Update]] = {}
+    """Apply the updates that take a grouped fused step: the small tensors that
+    ``fused.together`` admits, in one call per device, and Muon's matrices, in batches of one
+    shape (``fused.muon_batch``) of at most ``MUON_BATCH_ELEMENTS``; return the others, in
+    their order, for ``apply``."""
+    small: dict[object, list[Update]] = {}
+    matrices: dict[object, list[Update]] = {}
     rest = []
     for update in updates:
         verdict = update.verdict
         decided = verdict is True or (isinstance(verdict, Tensor) and decides_on_device(update))
+        batch = muon_batch(update) if decided else None
         if decided and together(update):
-            batches.setdefault(update.unit.device, []).append(update)
+            small.setdefault(update.unit.device, []).append(update)
+        elif batch is not None:
+            matrices.setdefault(batch, []).append(update)
         else:
             rest.append(update)
-    for batch in batches.values():
+    for batch in small.values():
         if len(batch) < 2:
             rest += batch
             continue
-        for update in batch:
-            update.keep = update.verdict if isinstance(update.verdict, Tensor) else None
-        try:
-            outcomes = update_together(batch)
-        except NotCompiled:
-            outcomes = [reference_update(_with_fp32_gradient(update)) for update in batch]
-        for update, outcome in zip(batch, outcomes, strict=True):
-            settle(update, outcome, decisions)
+        _apply_batch(batch, update_together, decisions)
+    for batch in matrices.values():
+        for part in _limited(batch):
+            for update in part:
+                begin(update, own_dtype=True)
+            _apply_batch(part, update_muon, decisions)
     return rest
+
+
+# The most elements a batch of Muon's matrices stacks, by device type: on a GPU its products and
+# their bf16 temporaries stay within a few hundred MiB (a larger matrix goes alone); on the CPU one
+# matrix at a time, so that its passes and its iteration find it in the core's cache, where a
+# batch's passes evict it (measured: docs/results/muon.md).
+MUON_BATCH_ELEMENTS = {"cpu": 1, "cuda": 2**24}
+
+
+def _limited(batch: list[Update]) -> list[list[Update]]:
+    """``batch`` in consecutive parts of at most ``MUON_BATCH_ELEMENTS`` elements of its device
+    type (at least one update each)."""
+    limit = MUON_BATCH_ELEMENTS.get(batch[0].grad.device.type, MUON_BATCH_ELEMENTS["cuda"])
+    size = max(1, limit // max(batch[0].grad.numel(), 1))
+    return [batch[start : start + size] for start in range(0, len(batch), size)]
+
+
+def _apply_batch(
+    batch: list[Update], step: Callable[[list[Update]], list[Outcome]], decisions: Decisions
+) -> None:
+    """``step`` of ``batch`` (each update masked by its device flag), or the reference path of
+    each update where auto mode's step did not compile; each outcome settled."""
+    for update in batch:
+        update.keep = update.verdict if isinstance(update.verdict, Tensor) else None
+    try:
+        outcomes = step(batch)
+    except NotCompiled:
+        outcomes = [reference_update(_with_fp32_gradient(update)) for update in batch]
+    for update, outcome in zip(batch, outcomes, strict=True):
+        settle(update, outcome, decisions)
 
 
 def apply(update: Update, decisions: Decisions) -> None:

@@ -8,7 +8,9 @@ loops: C++ with OpenMP on the CPU, Triton kernels on CUDA. The reference path st
 definition: a fused step gives the same codes for the same fp32 values and parameters within fp32
 round-off (the fused loops may contract a multiply and an add into one rounding).
 
-Covered: the AdamW and Adafactor rules (``adafactor``) with every storage format
+Covered: the AdamW and Adafactor rules (``adafactor``), and Muon's (``muon``: a batch of
+matrices of one shape, its Newton–Schulz iteration in torch's products or the Triton kernels of
+``triton_newton_schulz``), with every storage format
 (``slimopt.codecs.storage``), fp32 or bf16 parameters rounded to nearest or stochastically. On
 CUDA, AdamW moments stored elementwise (fp32, bf16, 8- and 4-bit blocks) take the hand-written
 Triton kernel of ``triton_adamw`` instead: one launch per tensor, no compilation per shape;
@@ -17,7 +19,8 @@ moment) take the four launches of ``triton_ternary``. Stochastic roundings draw 
 streams (``slimopt.codecs.draws``) seeded as the reference path seeds them, so they draw the same
 numbers. Small AdamW tensors (norms, biases) are updated together (``adamw_steps``): in one launch
 of ``triton_multi_tensor`` on CUDA, in one compiled call elsewhere. Not covered
-(``slimopt.options.fused_unsupported`` says why): TACO's rule, complex parameters, tensors with
+(``slimopt.options.fused_unsupported`` says why): TACO's rule, Muon in a projected subspace or on
+matrices split across processes, complex parameters, tensors with
 more than two dimensions under ternary states or Adafactor (their factored statistics are over the
 last two). The steps take tensors, storage descriptors (``slimopt.codecs.base.Storage``) and
 scalars; which step a rule takes, and its scalars, are decided in ``slimopt.core.fused``.
@@ -30,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from slimopt.codecs import storage as formats
@@ -57,6 +61,7 @@ __all__ = [
     "compile_failures",
     "compile_settings",
     "compiler_error",
+    "muon_step",
     "scalars",
     "triton_step_of",
 ]
@@ -174,6 +179,54 @@ def adafactor_step(
         direction, deferred = step(grad, moments, factored, hyper, scale_parameter, weights, seeds, keep)
         _encode_in_phases(deferred, keep)
     return direction
+
+
+def muon_step(
+    grads: list[Tensor],
+    moments: list[dict[str, Tensor]],
+    storage: Storage,
+    table: tuple[Tensor, ...],
+    hyper: Tensor,
+    weights: list[Tensor],
+    seeds: tuple[list[Tensor | None], list[Tensor | None]],
+    keeps: list[Tensor | None],
+    iteration: tuple[tuple[float, float, float], int, float],
+    nesterov: bool,
+    *,
+    triton: bool = False,
+) -> None:
+    """One Muon step of a batch of matrices of one shape (``muon``): the gradients (fp32 or
+    bf16), each one's momentum buffer (stored parts, updated in place; all stored as
+    ``storage``, with its lookup ``table``) and ``weights`` (fp32 or bf16, updated in place).
+    ``hyper``: ``muon.hyperparameters(...)``; ``seeds``: each matrix's stream for its buffer's
+    stochastic rounding and for its weights' (None where it draws none); ``keeps``: each
+    matrix's device flag, as for ``adamw_step``; ``iteration``: the Newton–Schulz
+    coefficients, steps and eps. ``triton``: the iteration in the Triton kernels of
+    ``triton_newton_schulz`` (``FusedPolicy.iteration_on`` of the device), else in torch's
+    batched products (the library's GEMMs: compiled, Inductor would round each product before
+    its scaled sum, where ``baddbmm`` rounds once)."""
+    from slimopt.kernels import muon
+    from slimopt.rules.muon import iterated
+
+    coefficients, steps, eps = iteration
+    with compile_settings():
+        starts, deferred = compiled(muon.momentum_steps, exact_casts=True)(
+            grads, moments, storage, table, hyper, seeds[0], keeps, nesterov, eps
+        )
+        for ternary, keep in zip(deferred, keeps[: len(deferred)], strict=True):  # all, or none
+            _encode_in_phases((ternary,), keep)
+        ortho: Tensor | list[Tensor]
+        if triton:
+            from slimopt.kernels import triton_newton_schulz
+
+            ortho = triton_newton_schulz.iterated(torch.stack(starts), coefficients, steps)
+        elif starts[0].device.type == "cpu":
+            # Matrix by matrix: one matrix's iteration stays in the core's cache, a stack's
+            # does not (measured: docs/results/muon.md).
+            ortho = [iterated(start, coefficients, steps) for start in starts]
+        else:
+            ortho = iterated(torch.stack(starts), coefficients, steps)
+        compiled(muon.write_weights)(weights, ortho, hyper, seeds[1], keeps)
 
 
 def _encode_in_phases(deferred: tuple[Deferred, ...], keep: Tensor | None) -> None:

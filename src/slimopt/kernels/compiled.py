@@ -29,22 +29,27 @@ COMPILE_SETTINGS = {
 # into a table of 2**17 entries), so the bounds check Inductor puts before each lookup only
 # costs time (measured: docs/results/storage.md).
 INDUCTOR_OPTIONS = {"assert_indirect_indexing": False}
+# For a step whose intermediate roundings are part of its definition (Muon's bf16 iteration
+# starts from the bf16 rounding of its step and of that step's norm): Inductor otherwise keeps a
+# fused intermediate in fp32, which moves every element the iteration starts from.
+EXACT_CASTS = {**INDUCTOR_OPTIONS, "emulate_precision_casts": True}
 
 
-def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` compiled (to be called with ``COMPILE_SETTINGS`` in effect).
+def compiled(function: Callable[..., Any], *, exact_casts: bool = False) -> Callable[..., Any]:
+    """``function`` compiled (to be called with ``COMPILE_SETTINGS`` in effect); with
+    ``exact_casts``, every rounding to a lower precision that it writes is kept (``EXACT_CASTS``).
 
     Under a mode that watches every operation (slimopt.memory.LiveBytes, counting a step's
     memory) dynamo cannot compile, and it would never try the function again: it runs as it
     is, compiled the next time no mode watches."""
     if is_in_torch_dispatch_mode(include_infra_modes=False):
         return function
-    return _compile(function)
+    return _compile(function, exact_casts)
 
 
 @functools.cache
-def _compile(function: Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(function, options=INDUCTOR_OPTIONS)
+def _compile(function: Callable[..., Any], exact_casts: bool) -> Callable[..., Any]:
+    return torch.compile(function, options=EXACT_CASTS if exact_casts else INDUCTOR_OPTIONS)
 
 
 @contextlib.contextmanager

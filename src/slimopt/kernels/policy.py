@@ -41,17 +41,20 @@ class FusedPolicy:
     ``torch.compile`` (``triton``: CUDA, with Triton installed), and where a fused update's
     non-finite decision stays on the device as a flag instead of being read by the host
     (``flags``: CUDA; on the CPU reading a flag waits for nothing, while masking every write
-    with it costs: docs/results/storage.md, the masked and the read-first int8 step). Each
-    optimizer's engine owns one (the tests give the CPU CUDA's choices to run the Triton kernels
-    in Triton's interpreter)."""
+    with it costs: docs/results/storage.md, the masked and the read-first int8 step), and where
+    Muon's Newton–Schulz iteration runs in the Triton kernels of ``triton_newton_schulz``
+    (``iteration``: nowhere by default, torch's batched products instead, until the kernels are
+    measured against them on a GPU). Each optimizer's engine owns one (the tests give the CPU
+    CUDA's choices to run the Triton kernels in Triton's interpreter)."""
 
     def __init__(
         self,
         auto: tuple[str, ...] = ("cuda",),
         triton: tuple[str, ...] = ("cuda",),
         flags: tuple[str, ...] = ("cuda",),
+        iteration: tuple[str, ...] = (),
     ) -> None:
-        self.auto, self.triton, self.flags = auto, triton, flags
+        self.auto, self.triton, self.flags, self.iteration = auto, triton, flags, iteration
         self.failure: str | None = None  # why a fused step did not compile, or None
 
     def available(self, device_type: str) -> bool:
@@ -61,6 +64,10 @@ class FusedPolicy:
     def triton_on(self, device_type: str) -> bool:
         """Whether the hand-written Triton kernels run the fused steps on ``device_type``."""
         return device_type in self.triton and triton_installed()
+
+    def iteration_on(self, device_type: str) -> bool:
+        """Whether Muon's Newton–Schulz iteration runs in the Triton kernels on ``device_type``."""
+        return device_type in self.iteration and triton_installed()
 
     def flags_on(self, device_type: str) -> bool:
         """Whether fused updates on ``device_type`` leave their non-finite decisions on the device."""

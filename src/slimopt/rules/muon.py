@@ -86,7 +86,7 @@ class MuonRule:
     moment_kinds: ClassVar[dict[str, str]] = {"momentum_buffer": "linear"}
     elementwise: ClassVar[bool] = False
     factored_keys: ClassVar[tuple[str, ...]] = ()
-    fused: ClassVar[str | None] = None
+    fused: ClassVar[str | None] = "muon"
     # torch.optim.Muon's defaults.
     defaults: ClassVar[dict[str, Any]] = {
         "momentum": 0.95,
