@@ -739,3 +739,16 @@ def test_fused_flag_reaches_the_optimizer(workspace: Path, tmp_path: Path, capsy
     ]
     assert main(argv) == 2
     assert "fused=True: the TACO rule has no fused step" in capsys.readouterr().err
+
+
+def test_bench_fused_builds_slimopts_optimizers_fused(tmp_path: Path, capsys) -> None:
+    """``--fused`` gives slimopt's optimizers ``fused=True`` (torch's Muon beside them keeps its
+    own step); one that has no fused step is refused before anything is measured."""
+    out = tmp_path / "bench.json"
+    assert main(bench_args("torch_muon,muon", out, "--fused")) == 0
+    assert "slimopt's fused steps on" in capsys.readouterr().out
+    rows = {row["optimizer"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["muon"]["fused_path"] == ["fused"] * 3 and rows["torch_muon"]["fused_path"] is None
+    assert main(bench_args("taco", tmp_path / "taco.json", "--fused")) == 2
+    err = capsys.readouterr().err
+    assert "the TACO rule has no fused step" in err and "measuring" not in err

@@ -37,6 +37,11 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", type=read_weight_dtype, help=f"{DTYPE_HELP} (default: bf16 on CUDA, fp32 on the CPU)"
     )
+    parser.add_argument(
+        "--fused",
+        action=argparse.BooleanOptionalAction,
+        help="slimopt's optimizers take their fused steps, or not (default: auto, on CUDA)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
 
 
@@ -45,7 +50,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from slimopt.train.bench import available, bench, heading, table, write_json
     from slimopt.train.config import resolve_device
 
-    setting = {key: getattr(args, key) for key in ("model", "dtype", "batch", "seq", "steps", "warmup")}
+    keys = ("model", "dtype", "batch", "seq", "steps", "warmup", "fused")
+    setting = {key: getattr(args, key) for key in keys}
     device = resolve_device(args.device)
     names, skipped = available(
         [n.strip() for n in args.optimizers.split(",") if n.strip()], device, args.dtype

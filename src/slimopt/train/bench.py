@@ -54,6 +54,8 @@ SLIMOPT_ONLY = {
     "int8": "the references would change the codes in place",
     "bf16+8": "the references keep no correction",
 }
+# How a heading names ``fused=``.
+FUSED_WORDS = {None: "auto", True: "on", False: "off"}
 DEFAULT = (
     "torch_adamw_foreach,torch_adamw_fused,bnb_adamw8bit,torchao_adamw8bit,apollo_torch_mini,adamw,adamw8bit,"
     "galore_adamw8bit,apollo_mini"
@@ -101,13 +103,15 @@ def bench(
     rank: int | None = None,
     lr: float = 1e-3,
     dtype: str | None = None,
+    fused: bool | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[dict[str, Any]]:
     """One row per optimizer of ``names``, each training preset ``model`` on ``batch``
     sequences of ``seq`` tokens: median seconds of a training step and of its optimizer step
     over ``steps`` after ``warmup``, state bytes, peak memory bytes (see the module docstring).
     ``dtype``: how the weights are stored (``slimopt.weight_formats``; None: bf16 on CUDA, fp32
-    on the CPU). Raises ``ValueError`` naming a bad count or option, or for no optimizer, before
+    on the CPU). ``fused``: the ``fused=`` option of slimopt's optimizers (the references have
+    their own). Raises ``ValueError`` naming a bad count or option, or for no optimizer, before
     anything is measured."""
     for flag, value in (("batch-size", batch), ("seq-len", seq), ("steps", steps)):
         if value < 1:
@@ -122,7 +126,7 @@ def bench(
     ours = [name for name in names if name not in REFERENCES]
     shapes = _model(model, torch.device("meta"), weights) if ours else None
     for name in ours:  # every one is built (on the meta device) before any is measured
-        _optimizer(shapes, name, lr, rank, dtype)
+        _optimizer(shapes, name, lr, rank, dtype, fused)
     rows = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -130,7 +134,7 @@ def bench(
         progress(name)
         torch.manual_seed(0)
         trained = _model(model, device, weights)
-        optimizer = _optimizer(trained, name, lr, rank, dtype)
+        optimizer = _optimizer(trained, name, lr, rank, dtype, fused)
         vocab = trained.config.vocab_size
         step_seconds, optimizer_seconds = [], []
         for step in range(warmup + steps):
@@ -168,6 +172,7 @@ def heading(setting: dict[str, Any]) -> str:
     return (
         f"{setting['model']} on {setting['device']} (torch {torch.__version__}), "
         f"{setting['dtype'] or 'default'} weights, {setting['batch']}×{setting['seq']} tokens, "
+        f"slimopt's fused steps {FUSED_WORDS[setting.get('fused')]}, "
         f"median of {setting['steps']} steps after {setting['warmup']}"
     )
 
@@ -204,12 +209,14 @@ def _model(name: str, device: torch.device, weights: str) -> nn.Module:
         return build_model(name, 32000, 2048, weights=weights)
 
 
-def _optimizer(model: nn.Module, name: str, lr: float, rank: int | None, dtype: str | None) -> Any:
+def _optimizer(
+    model: nn.Module, name: str, lr: float, rank: int | None, dtype: str | None, fused: bool | None
+) -> Any:
     if name in REFERENCES:
         return REFERENCES[name][2](model, lr)
     projection = {"rank": rank} if rank is not None and OPTIMIZERS[resolve_name(name)].projected else {}
     storage = optimizer_options(dtype, {}) if dtype else {}
-    return build_optimizer(model, name, lr=lr, **projection, **storage)
+    return build_optimizer(model, name, lr=lr, fused=fused, **projection, **storage)
 
 
 def _peak(
@@ -276,7 +283,7 @@ def _galore_torch(model: nn.Module, lr: float) -> Any:
     projected at rank 512 (the anchors' setting), everything else plain."""
     from galore_torch import GaLoreAdamW8bit
 
-    matrices, rest = _projected_and_rest(model)
+    matrices, rest = matrices_and_rest(model)
     projected = {"params": matrices, "rank": 512, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
     return GaLoreAdamW8bit([{"params": rest}, projected], lr=lr)
 
@@ -286,7 +293,7 @@ def _apollo_torch_mini(model: nn.Module, lr: float) -> Any:
     rank 1 with tensor-wise scaling and scale 128, everything else AdamW."""
     from apollo_torch import APOLLOAdamW
 
-    matrices, rest = _projected_and_rest(model)
+    matrices, rest = matrices_and_rest(model)
     projected = {"params": matrices, "rank": 1, "proj": "random", "scale_type": "tensor", "scale": 128}
     return APOLLOAdamW([{"params": rest}, {**projected, "update_proj_gap": 200, "proj_type": "std"}], lr=lr)
 
@@ -314,12 +321,12 @@ def _torch_muon(model: nn.Module, lr: float) -> Any:
     """torch.optim.Muon as its documentation sets it up: the attention and MLP weights Muon
     (``adjust_lr_fn="match_rms_adamw"``, so that one rate serves both, as slimopt's ``muon``),
     everything else torch's AdamW (foreach)."""
-    matrices, rest = _projected_and_rest(model)
+    matrices, rest = matrices_and_rest(model)
     muon = torch.optim.Muon(matrices, lr=lr, adjust_lr_fn="match_rms_adamw")
     return _Together(muon, torch.optim.AdamW(rest, lr=lr, weight_decay=0.1, foreach=True))
 
 
-def _projected_and_rest(model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+def matrices_and_rest(model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
     """The attention and MLP weights (every matrix but the embedding and head), and the rest."""
     matrices = [
         p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n
