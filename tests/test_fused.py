@@ -187,19 +187,21 @@ def test_channels_last_and_empty_parameters(fused_backend) -> None:
     fused_backend.check()
 
 
-def test_resume_is_bit_exact() -> None:
+@pytest.mark.parametrize("name", ["adamw8bit", "muon_ternary"])
+def test_resume_is_bit_exact(name) -> None:
     """Two steps, state_dict through torch.save, a fresh optimizer loads it and takes two more:
-    the parameters of four uninterrupted steps, bit for bit."""
-    uninterrupted, _ = _run("adamw8bit", True, steps=4)
+    the parameters of four uninterrupted steps, bit for bit (Muon's fused step with its ternary
+    momentum's stochastic rounding included)."""
+    uninterrupted, _ = _run(name, True, steps=4)
     torch.manual_seed(0)
     model = tiny_llama()
-    first = slimopt.build_optimizer(model, "adamw8bit", lr=1e-2, fused=True)
+    first = slimopt.build_optimizer(model, name, lr=1e-2, fused=True)
     generator = torch.Generator().manual_seed(1)
     for step in range(4):
         if step == 2:
             saved = io.BytesIO()
             torch.save(first.state_dict(), saved)
-            first = slimopt.build_optimizer(model, "adamw8bit", lr=1e-2, fused=True)
+            first = slimopt.build_optimizer(model, name, lr=1e-2, fused=True)
             first.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
         for param in model.parameters():
             param.grad = torch.randn(param.shape, generator=generator)
