@@ -3,15 +3,14 @@ rule of ``slimopt.rules.muon`` with its momentum's storage, in three calls for t
 
 1. ``momentum_steps`` (compiled): each matrix's momentum buffer decoded, advanced and encoded
    (``slimopt.codecs.storage``, as the AdamW step does), and its step (Nesterov's look-ahead, or
-   the buffer) stacked in bf16, where the iteration starts.
-2. The stack orthogonalized by the batched Newton–Schulz iteration: ``rules.muon.orthogonalized``
-   compiled, or on CUDA the Triton kernels of ``triton_newton_schulz``.
+   the buffer) turned into where the iteration starts (``rules.muon.normalized_wide``).
+2. The Newton–Schulz iteration (``rules.muon.iterated``) in torch's products, on the CPU matrix
+   by matrix, elsewhere on the stacked batch; or the Triton kernels of ``triton_newton_schulz``.
 3. ``write_weights`` (compiled): each matrix's weights decayed and stepped by its orthogonalized
    update scaled to its shape, rounded once into how they are stored.
 
-Batched, a model's many small matrices cost a few large products and three calls instead of
-dozens of launches each; compiled, the elementwise work around the products is a few passes over
-memory instead of one per operation.
+Batched, a GPU runs a model's many small matrices as a few large products; compiled, the
+elementwise work around the products is two passes over memory instead of one per operation.
 """
 
 from __future__ import annotations
