@@ -60,19 +60,29 @@ def refresh_times(shape: tuple[int, int], rank: int, device: str, repeats: int) 
 
 def llama_matrices(preset: str) -> dict[tuple[int, int], int]:
     """Shape → count of the projected (attention and MLP) matrices of a preset."""
-    hidden, intermediate, _, layers = LLAMA_PRESETS[preset]
-    return {(hidden, hidden): 4 * layers, (intermediate, hidden): 2 * layers, (hidden, intermediate): layers}
+    shape = LLAMA_PRESETS[preset]
+    hidden, layers = shape.hidden, shape.layers
+    key_values = hidden // shape.heads * (shape.kv_heads or shape.heads)  # grouped-query attention
+    counts: dict[tuple[int, int], int] = {}
+    for matrix, count in (
+        ((hidden, hidden), 2 * layers),  # queries, output
+        ((key_values, hidden), 2 * layers),  # keys, values
+        ((shape.intermediate, hidden), 2 * layers),  # gate, up
+        ((hidden, shape.intermediate), layers),  # down
+    ):
+        counts[matrix] = counts.get(matrix, 0) + count
+    return counts
 
 
 def llama_parameters(preset: str, device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(projected matrices, other parameters) of a preset, with random gradients attached."""
-    hidden = LLAMA_PRESETS[preset][0]
+    hidden = LLAMA_PRESETS[preset].hidden
     projected = [
         torch.randn(shape, device=device) * 0.02
         for shape, count in llama_matrices(preset).items()
         for _ in range(count)
     ]
-    layers = LLAMA_PRESETS[preset][3]
+    layers = LLAMA_PRESETS[preset].layers
     other = [torch.randn(VOCAB, hidden, device=device) * 0.02 for _ in range(2)]
     other += [torch.ones(hidden, device=device) for _ in range(2 * layers + 1)]
     for p in projected + other:

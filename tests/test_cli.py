@@ -374,7 +374,7 @@ def test_device_cuda_without_a_gpu_is_refused(workspace, tmp_path, capsys, monke
 def test_the_default_rank_is_a_quarter_of_the_hidden_size(preset: str, rank: int, capsys) -> None:
     from slimopt.models import LLAMA_PRESETS
 
-    assert LLAMA_PRESETS[preset][0] == 4 * rank
+    assert LLAMA_PRESETS[preset].hidden == 4 * rank
     assert main(["memory", "--model", preset, "--optimizer", "galore_adamw", "--vocab-size", "512"]) == 0
     assert f"rank {rank} (the default: a quarter of the matrices' smaller side)" in capsys.readouterr().out
 

@@ -241,6 +241,35 @@ def test_int8_weights_fit_llama_7b_in_12_gib_and_llama_13b_in_24_gib() -> None:
 
 
 @pytest.mark.parametrize(
+    ("preset", "parameters", "vocabulary"),
+    [("llama_70b", 68.98e9, 32000), ("llama3_8b", 8.03e9, 128256)],
+)
+def test_grouped_query_presets_have_their_shapes(preset: str, parameters: float, vocabulary: int) -> None:
+    """LLaMA-2-70B and LLaMA-3-8B as published: 8 key/value heads, their parameter counts and
+    vocabularies (the planner's, with no --vocab-size, is the preset's own)."""
+    from slimopt.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(preset, None, 256, weights="bf16")
+    assert model.config.num_key_value_heads == 8 and model.config.vocab_size == vocabulary
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(parameters, rel=1e-3)
+    with torch.device("meta"):
+        smaller = build_model(preset, 1000, 256, weights="bf16")
+    assert smaller.config.vocab_size == 1000
+
+
+def test_a_config_file_keeps_its_vocabulary_unless_one_is_given(tmp_path) -> None:
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=160, num_attention_heads=4, num_hidden_layers=2
+    ).save_pretrained(tmp_path)
+    assert plan_memory(str(tmp_path), "adamw", seq_len=32).setting.vocab_size == 1000
+    assert plan_memory(str(tmp_path), "adamw", seq_len=32, vocab_size=500).setting.vocab_size == 500
+    assert plan_memory("llama_9m", "adamw", seq_len=32).setting.vocab_size == 32000
+
+
+@pytest.mark.parametrize(
     ("arguments", "message"),
     [
         (dict(model="llama_3b", optimizer="adamw"), "unknown model 'llama_3b'; valid: llama_9m"),

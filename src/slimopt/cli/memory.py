@@ -43,7 +43,11 @@ def add_memory_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", type=read_weight_dtype, default="bf16", help=f"{DTYPE_HELP} (default bf16)"
     )
-    parser.add_argument("--vocab-size", type=int, default=32000, help="vocabulary (default 32000)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        help="vocabulary (default: the model's own; 32000 for the LLaMA presets, 128256 for llama3_8b)",
+    )
     parser.add_argument("--gpu-memory", type=float, help="the card's memory in GiB, for a verdict")
     parser.add_argument(
         "--processes",

@@ -52,7 +52,7 @@ def plan_memory(
     accumulation_steps: int = 1,
     checkpointing: bool = False,
     dtype: str = "bf16",
-    vocab_size: int = 32000,
+    vocab_size: int | None = None,
     gpu_memory_gib: float | None = None,
     processes: int = 1,
     distributed: str | None = None,
@@ -69,6 +69,7 @@ def plan_memory(
     state and the plan counts there — or
     "int8" linear weights with the rest bf16); ``batch_size`` sequences
     of ``seq_len`` tokens per micro-batch, ``accumulation_steps`` micro-batches per step;
+    ``vocab_size`` replaces the model's own vocabulary (None: a preset's, or a config file's);
     ``refresh_from`` is ``slimopt.layerwise``'s option of that name. With ``distributed``
     ("ddp", "zero1" or "fsdp2") the plan also holds, in ``per_process``, the step of the busiest
     of ``processes`` processes (``slimopt.process_memory``), and ``fits`` judges that one;

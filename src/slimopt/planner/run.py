@@ -34,6 +34,7 @@ def run(setting: PlanSetting, device: torch.device, progress: bool = False) -> M
     torch.manual_seed(0)
     model = setting.build_model(device)
     setting.check_rank(model)
+    setting = replace(setting, vocab_size=model.config.vocab_size)  # the model's own, if not given
     projection = {"rank": setting.rank} if setting.rank is not None else {}
     options = setting.options
     storage = optimizer_options(setting.dtype, options)
@@ -125,7 +126,7 @@ def _forward_backward(
     """One micro-batch's forward and backward (its loss divided by the accumulation steps),
     tagged for the tracker."""
     tracker.tag = "forward"
-    batch = torch.randint(0, setting.vocab_size, (setting.batch_size, setting.seq_len))
+    batch = torch.randint(0, model.config.vocab_size, (setting.batch_size, setting.seq_len))
     batch = batch.to(device)
     loss = model(input_ids=batch, labels=batch).loss / setting.accumulation_steps
     tracker.tag = "backward"

@@ -38,7 +38,7 @@ class PlanSetting:
     accumulation_steps: int = 1
     checkpointing: bool = False
     dtype: str = "bf16"
-    vocab_size: int = 32000
+    vocab_size: int | None = None  # None: the model's own
     gpu_memory_gib: float | None = None
     processes: int = 1
     distributed: str | None = None
@@ -59,6 +59,8 @@ class PlanSetting:
             raise ValueError(f"unknown model {model!r}; valid: {presets} or a Hugging Face config path")
         for key in ("batch_size", "seq_len", "accumulation_steps", "vocab_size"):
             value = getattr(setting, key)
+            if key == "vocab_size" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{key.replace('_', ' ')} must be a positive integer, got {value!r}")
         setting = replace(

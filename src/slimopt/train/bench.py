@@ -206,7 +206,7 @@ def _model(name: str, device: torch.device, weights: str) -> nn.Module:
     from slimopt.models import build_model
 
     with torch.device(device):
-        return build_model(name, 32000, 2048, weights=weights)
+        return build_model(name, None, 2048, weights=weights)
 
 
 def _optimizer(
