@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -83,7 +85,7 @@ def fused_step(
     keys = plan.rule.factored_keys
     factored = tuple(state[key] for key in keys) if keys and keys[0] in state else None
     grad = grad.contiguous()
-    try:
+    with auto_gives_up(plan.policy, plan.group["fused"] is True):
         if plan.rule.fused == "adafactor":
             # The weights' RMS of ``scale_parameter`` is taken inside the compiled step.
             hyper = adafactor_hyperparameters(update, grad.device)
@@ -94,11 +96,6 @@ def fused_step(
         hyper = adamw_hyperparameters(update, weights, grad.device)
         triton = plan.policy.triton_on(device.type)
         return kernels.adamw_step(grad, moments, hyper, weights, seeds, update.keep, triton=triton)
-    except kernels.compile_failures() as error:
-        if plan.group["fused"] is True:
-            raise
-        give_up_auto(plan.policy, error)
-        raise NotCompiled from error
 
 
 def adamw_hyperparameters(update: Update, weights: Tensor | None, device: torch.device) -> Tensor:
@@ -154,15 +151,11 @@ def update_together(batch: list[Update]) -> list[Outcome]:
         moments.append(tuple(parts for parts, _, _ in stored.values()))
         grads.append(update.grad)
         weights.append(own)
-    try:
+    promised = any(u.plan.group["fused"] is True for u in batch)
+    with auto_gives_up(batch[0].plan.policy, promised):
         triton = batch[0].plan.policy.triton_on(batch[0].unit.device.type)  # one device, one optimizer
         keeps = [u.keep for u in batch]
         kernels.adamw_steps(grads, moments, torch.stack(hypers), weights, keeps, triton=triton)
-    except kernels.compile_failures() as error:
-        if any(u.plan.group["fused"] is True for u in batch):
-            raise
-        give_up_auto(batch[0].plan.policy, error)
-        raise NotCompiled from error
     return [Outcome.TAKEN if u.keep is None else Outcome.MASKED for u in batch]
 
 
@@ -200,7 +193,7 @@ def update_muon(batch: list[Update]) -> list[Outcome]:
     ratio = plan.rule.ratio(tuple(first.grad.shape), group)
     hyper = muon.hyperparameters(group["momentum"], lr, group["weight_decay"], ratio, device)
     iteration = (tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
-    try:
+    with auto_gives_up(plan.policy, group["fused"] is True):
         triton = plan.policy.iteration_on(device.type)
         kernels.muon_step(
             grads,
@@ -215,12 +208,21 @@ def update_muon(batch: list[Update]) -> list[Outcome]:
             group["nesterov"],
             triton=triton,
         )
-    except kernels.compile_failures() as error:
-        if group["fused"] is True:
-            raise
-        give_up_auto(plan.policy, error)
-        raise NotCompiled from error
     return [Outcome.TAKEN if u.keep is None else Outcome.MASKED for u in batch]
+
+
+@contextmanager
+def auto_gives_up(policy: kernels.FusedPolicy, promised: bool) -> Iterator[None]:
+    """Around a fused step's call: where its code fails to build, the failure raised as it is
+    when the step was ``promised`` (``fused=True``), else auto mode's answer (``give_up_auto``)
+    and ``NotCompiled`` (nothing was written)."""
+    try:
+        yield
+    except kernels.compile_failures() as error:
+        if promised:
+            raise
+        give_up_auto(policy, error)
+        raise NotCompiled from error
 
 
 def give_up_auto(policy: kernels.FusedPolicy, error: Exception) -> None:
@@ -232,5 +234,5 @@ def give_up_auto(policy: kernels.FusedPolicy, error: Exception) -> None:
     warnings.warn(
         f"slimopt: the fused step did not compile ({reason}); fused=None uses the reference path from now on",
         RuntimeWarning,
-        stacklevel=6,
+        stacklevel=8,
     )
