@@ -126,10 +126,13 @@ def _apply_batch(
     batch: list[Update], step: Callable[[list[Update]], list[Outcome]], decisions: Decisions
 ) -> None:
     """``step`` of ``batch`` (each update masked by its device flag), or the reference path of
-    each update where auto mode's step did not compile; each outcome settled."""
+    each update where auto mode's step did not compile, in this batch or an earlier one (the
+    batches of a step are formed before any runs); each outcome settled."""
     for update in batch:
         update.keep = update.verdict if isinstance(update.verdict, Tensor) else None
     try:
+        if not batch[0].plan.fused:  # one optimizer's policy for the whole batch
+            raise NotCompiled
         outcomes = step(batch)
     except NotCompiled:
         outcomes = [reference_update(_with_fp32_gradient(update)) for update in batch]
