@@ -357,3 +357,84 @@ def test_the_taco_benchmark_measures_every_variant(tmp_path) -> None:
     assert row["variants"]["TACO dense oracle"]["bytes_per_column"] > 4 * 64
     assert all(entry["metric"] == entry["metric"] for entry in row["variants"].values())
     assert (tmp_path / "results.md").read_text().count("| TACO k=") == 7  # 4 sizes, β = 0.5, 2 fallbacks
+
+
+# ------------------------------------------------------------------- by slices of rows
+
+
+@pytest.fixture
+def slices_of(monkeypatch: pytest.MonkeyPatch):
+    """Set the elements of a slice of rows an update goes through."""
+    from slimopt.codecs import slicing
+
+    return lambda numel: monkeypatch.setattr(slicing, "SLICE_NUMEL", numel)
+
+
+def test_column_extremes_by_slices_are_the_whole_columns(slices_of) -> None:
+    """Ties included (small integers): the first row wins a tie, as one ``max`` over a column."""
+    generator = torch.Generator().manual_seed(3)
+    grad = torch.randint(-3, 4, (50, 7), generator=generator).to(torch.bfloat16)
+    smooth = torch.randn(50, 7, generator=generator)
+    slices_of(1 << 30)
+    whole_top1, whole_extremes = taco.column_top1(grad), taco.column_extremes(smooth, 5)
+    slices_of(7 * 6)  # slices of 6 rows
+    assert all(torch.equal(a, b) for a, b in zip(taco.column_top1(grad), whole_top1, strict=True))
+    extremes = taco.column_extremes(smooth, 5)
+    assert all(torch.equal(a, b) for a, b in zip(extremes, whole_extremes, strict=True))
+    rows, signs = whole_top1
+    chosen = grad.float()[rows, torch.arange(7)]
+    assert torch.equal(chosen.abs(), grad.float().abs().amax(dim=0))
+    assert torch.equal(torch.sign(chosen), signs)
+    assert torch.equal(rows, (grad.float() == chosen).float().argmax(dim=0))  # its first row
+
+
+@pytest.mark.parametrize("options", [{"k": 16}, {"k": 0}, {"history": "dense"}, {"k": 4, "transposed": True}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_update_by_slices_of_rows_is_the_whole_matrix_update(slices_of, options, dtype) -> None:
+    """A bf16 gradient read a slice at a time, the weights written a slice at a time: the same
+    weights, bit for bit, as one pass over the whole matrix."""
+
+    def train() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        weights = [torch.nn.Parameter(torch.randn(shape).to(dtype)) for shape in ((24, 16), (40, 8))]
+        optimizer = slimopt.TACO(weights, lr=1e-2, weight_decay=0.1, **options)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            for weight in weights:
+                weight.grad = torch.randn(weight.shape, generator=generator).to(dtype)
+            optimizer.step()
+        return [w.detach() for w in weights]
+
+    slices_of(1 << 30)
+    whole = train()
+    slices_of(32)  # 2 to 4 rows a slice
+    assert all(torch.equal(a, b) for a, b in zip(train(), whole, strict=True))
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("k", [0, 16])
+def test_an_update_keeps_its_temporaries_to_a_slice(slices_of, weights, k) -> None:
+    """One TACO step of a 2048×2048 matrix with a bf16 gradient: read whole, its fp32 copy and
+    the weights' fp32 values are matrices; by slices of 2^16 elements, a few slices' worth, and
+    with a sketch what merging its k×n slots takes (int64 rows and scores of 3k candidates, a
+    2k×k×n comparison: under 160 bytes a slot), whatever the slice."""
+    from slimopt.memory import LiveBytes
+    from slimopt.weight_formats import Int8Weight
+
+    def update_workspace(slice_numel: int) -> int:
+        slices_of(slice_numel)
+        torch.manual_seed(0)
+        value = torch.randn(2048, 2048, dtype=torch.bfloat16)
+        weight = torch.nn.Parameter(Int8Weight.from_float(value) if weights == "int8" else value)
+        optimizer = slimopt.TACO([weight], lr=1e-3, k=k, weight_decay=0.1, param_rounding="stochastic")
+        weight.grad = torch.randn(2048, 2048, dtype=torch.bfloat16)
+        optimizer.step()  # the sketch exists from here on
+        tracker = LiveBytes()
+        with tracker:
+            optimizer.step()
+        return tracker.peak
+
+    whole, sliced = update_workspace(1 << 30), update_workspace(1 << 16)
+    matrix_bytes, slice_bytes = 2048 * 2048 * 4, (1 << 16) * 4
+    assert whole > 3 * matrix_bytes
+    assert sliced < 8 * slice_bytes + 160 * k * 2048 and sliced < whole / 10

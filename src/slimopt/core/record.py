@@ -94,7 +94,8 @@ def start_moments(
             for part, tensor in sliced.allocate(plan.param.device, plan.values_shape).items():
                 state[state_key(key, part)] = tensor
     else:
-        initial = plan.rule.init_state(grad.float(), plan.group, projected=update.basis is not None)
+        grad = grad if plan.rule.reads_own_dtype else grad.float()
+        initial = plan.rule.init_state(grad, plan.group, projected=update.basis is not None)
         for key, value in initial.items():
             if key in plan.rule.moment_kinds:
                 encode(storage, state, {key: value}, generator)

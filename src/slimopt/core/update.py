@@ -156,9 +156,10 @@ def apply(update: Update, decisions: Decisions) -> None:
 
 
 def _path(update: Update) -> Outcome:
-    # By slices of rows the gradient stays in its dtype: each slice is read as fp32 in turn.
+    # By slices of rows the gradient stays in its dtype: each slice is read as fp32 in turn (by
+    # the update, or by a rule that reads it so itself: TACO's).
     plan = update.plan
-    begin(update, own_dtype=plan.by_row_slices)
+    begin(update, own_dtype=plan.by_row_slices or (plan.rule.reads_own_dtype and update.basis is None))
     if plan.by_row_slices:
         return update_by_row_slices(update)
     if plan.fusable and plan.fused:

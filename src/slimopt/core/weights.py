@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from slimopt.codecs.plain import round_to_bf16_stochastically
+from slimopt.codecs.slicing import slices_to_update
 from slimopt.core.plan import Plan
 from slimopt.core.state import CORRECTION
 from slimopt.core.tensors import values
@@ -114,18 +115,28 @@ def write_weights(weights: Tensor, values: Tensor, step: WeightStep) -> None:
 
 
 def update_weights(weights: Tensor, direction: Tensor | SparseDirection, step: WeightStep) -> None:
-    """``w ← w·(1 − lr·wd) − lr·scale·direction`` in fp32, rounded once into ``weights``."""
-    lr, scale = step.lr, step.scale
-    target = read_weights(weights, step)
+    """``w ← w·(1 − lr·wd) − lr·scale·direction`` in fp32, rounded once into ``weights`` (a
+    matrix), a slice of rows at a time (``slices_to_update``): the largest temporary is one
+    slice's fp32 values, not a whole matrix dequantized."""
+    for _, rows in slices_to_update(*weights.shape, meta=weights.is_meta):
+        part = direction if not isinstance(direction, Tensor) else direction[rows]
+        _update_rows(weights, rows, part, step.of_rows(rows))
+
+
+def _update_rows(weights: Tensor, rows: slice, direction: Tensor | SparseDirection, step: WeightStep) -> None:
+    """``update_weights`` of ``rows`` of ``weights``; ``direction``: those rows of a tensor, or
+    a ``SparseDirection`` of the whole matrix."""
+    lr, scale, part = step.lr, step.scale, weights[rows]
+    target = read_weights(part, step)
     if step.weight_decay != 0:
         target.mul_(1 - lr * step.weight_decay)
     if not isinstance(direction, Tensor):  # a rule's own form (TACO's: one entry per column)
-        direction.add_to(target, alpha=-lr * scale)
+        direction.add_to(target, alpha=-lr * scale, first_row=rows.start)
     elif isinstance(lr, Tensor):  # a step size computed on the device, without a host sync
         target.sub_(direction.mul_(lr * scale))
     else:
         target.add_(direction, alpha=-lr * scale)
-    write_weights(weights, target, step)
+    write_weights(part, target, step)
 
 
 def update_weights_projected(

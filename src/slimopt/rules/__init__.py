@@ -25,8 +25,9 @@ class SparseDirection(Protocol):
     """A direction a rule returns in a form of its own rather than as a dense tensor (TACO's one
     entry per column): a matrix already, which ``add_to`` adds to the weights."""
 
-    def add_to(self, weights: Tensor, alpha: float) -> None:
-        """``weights`` += alpha · direction, in place."""
+    def add_to(self, weights: Tensor, alpha: float, first_row: int = 0) -> None:
+        """``weights`` += alpha · direction, in place; ``weights`` holds the matrix's rows from
+        ``first_row`` (the writes go a slice of rows at a time)."""
 
 
 class UpdateRule(Protocol):
@@ -39,6 +40,9 @@ class UpdateRule(Protocol):
     # rows across processes (FSDP2) if it has ``sharded_direction`` (``MuonRule``): its
     # direction for this process's rows, its whole-matrix part computed by one process.
     elementwise: bool
+    # whether ``init_state`` and ``direction`` take the gradient in its own dtype (bf16), reading
+    # it a slice of rows at a time in fp32, so that the shell makes no fp32 copy of a matrix
+    reads_own_dtype: bool
     # statistics the rule keeps as they are, not through a codec, when it factors its second
     # moment (Adafactor's row and column means of a matrix): their state keys, or ()
     factored_keys: tuple[str, ...]

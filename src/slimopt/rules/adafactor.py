@@ -44,6 +44,7 @@ class AdafactorRule:
 
     moment_kinds: ClassVar[dict[str, str]] = {"exp_avg": "linear", "exp_avg_sq": "square"}
     elementwise: ClassVar[bool] = False  # factored statistics and RMS clipping span the tensor
+    reads_own_dtype: ClassVar[bool] = False
     factored_keys: ClassVar[tuple[str, ...]] = (ROW_KEY, COLUMN_KEY)
     fused: ClassVar[str | None] = "adafactor"
     # Hyperparameters of the rule besides lr and weight_decay, with transformers' defaults;

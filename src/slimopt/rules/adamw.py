@@ -17,6 +17,7 @@ class AdamWRule:
 
     moment_kinds: ClassVar[dict[str, str]] = {"exp_avg": "linear", "exp_avg_sq": "square"}
     elementwise: ClassVar[bool] = True
+    reads_own_dtype: ClassVar[bool] = False
     factored_keys: ClassVar[tuple[str, ...]] = ()
     fused: ClassVar[str | None] = "adamw"
     # Hyperparameters of the rule besides lr and weight_decay, with torch.optim.AdamW's defaults.

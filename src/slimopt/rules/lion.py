@@ -22,6 +22,7 @@ class LionRule:
 
     moment_kinds: ClassVar[dict[str, str]] = {"exp_avg": "linear"}
     elementwise: ClassVar[bool] = True
+    reads_own_dtype: ClassVar[bool] = False
     factored_keys: ClassVar[tuple[str, ...]] = ()
     fused: ClassVar[str | None] = None
     # The paper's defaults (and bitsandbytes' and lion-pytorch's).

@@ -85,6 +85,7 @@ class MuonRule:
 
     moment_kinds: ClassVar[dict[str, str]] = {"momentum_buffer": "linear"}
     elementwise: ClassVar[bool] = False
+    reads_own_dtype: ClassVar[bool] = False
     factored_keys: ClassVar[tuple[str, ...]] = ()
     fused: ClassVar[str | None] = "muon"
     # torch.optim.Muon's defaults.

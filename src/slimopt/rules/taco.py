@@ -27,12 +27,14 @@ with ``rule="adamw"``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
 from slimopt.checks import number, number_error
+from slimopt.codecs.slicing import slices_to_update
 
 # fp8 e4m3's largest finite value: a column's largest slot is stored as this.
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
@@ -40,13 +42,56 @@ VALUE_FORMATS = ("fp8", "fp32")
 
 
 def column_top1(source: Tensor) -> tuple[Tensor, Tensor]:
-    """For each column of ``source`` (m×n), the row of its largest magnitude and that entry's
-    sign (0 for an all-zero column): two length-n tensors. From the column maxima and minima,
-    so no m×n temporary (|source|) is made."""
-    top, top_rows = source.max(dim=0)
-    bottom, bottom_rows = source.min(dim=0)
+    """For each column of ``source`` (m×n, any floating dtype), the row of its largest magnitude
+    and that entry's sign (0 for an all-zero column): two length-n tensors. From the column
+    maxima and minima, kept as ``source`` is read a slice of rows at a time in fp32, so the
+    largest temporary is one slice's fp32 copy, not |source| or the matrix in fp32. The first
+    row wins a tie, as in one ``max`` over the whole column."""
+    top = top_rows = bottom = bottom_rows = None
+    for start, part in _fp32_row_slices(source):
+        part_top, part_top_rows = part.max(dim=0)
+        part_bottom, part_bottom_rows = part.min(dim=0)
+        if top is None:
+            top, top_rows, bottom, bottom_rows = part_top, part_top_rows, part_bottom, part_bottom_rows
+            continue
+        higher, lower = part_top > top, part_bottom < bottom
+        top = torch.where(higher, part_top, top)
+        top_rows = torch.where(higher, part_top_rows + start, top_rows)
+        bottom = torch.where(lower, part_bottom, bottom)
+        bottom_rows = torch.where(lower, part_bottom_rows + start, bottom_rows)
     pick = top.abs() >= bottom.abs()
     return torch.where(pick, top_rows, bottom_rows), torch.sign(torch.where(pick, top, bottom)).float()
+
+
+def column_extremes(source: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The rows of each column's ``k`` largest and ``k`` smallest entries of ``source`` (m×n,
+    any floating dtype; k ≤ m): two k×n tensors, each column's rows in descending (ascending)
+    order of value. Read a slice of rows at a time in fp32; each slice's extremes are merged
+    into the running ones, so no m×n temporary is made."""
+    largest = smallest = None
+    for start, part in _fp32_row_slices(source):
+        count = min(k, part.shape[0])
+        top, bottom = part.topk(count, dim=0), part.topk(count, dim=0, largest=False)
+        found_top = (top.values, top.indices + start)
+        found_bottom = (bottom.values, bottom.indices + start)
+        largest = found_top if largest is None else _merged(largest, found_top, k, largest=True)
+        smallest = found_bottom if smallest is None else _merged(smallest, found_bottom, k, largest=False)
+    return largest[1], smallest[1]
+
+
+def _merged(
+    running: tuple[Tensor, Tensor], found: tuple[Tensor, Tensor], k: int, *, largest: bool
+) -> tuple[Tensor, Tensor]:
+    """The ``k`` largest (smallest) of two lists of (values, rows) per column."""
+    values, rows = torch.cat([running[0], found[0]]), torch.cat([running[1], found[1]])
+    best = values.topk(min(k, values.shape[0]), dim=0, largest=largest)
+    return best.values, rows.gather(0, best.indices)
+
+
+def _fp32_row_slices(source: Tensor) -> Iterator[tuple[int, Tensor]]:
+    """(first row, fp32 copy) of each slice of rows of ``source`` an update goes through."""
+    for _, rows in slices_to_update(*source.shape, meta=source.is_meta):
+        yield rows.start, source[rows].float()
 
 
 def direction_scale(shape: tuple[int, int]) -> float:
@@ -80,22 +125,20 @@ def sketch_values(sketch: dict[str, Tensor]) -> Tensor:
 
 
 def update_sketch(sketch: dict[str, Tensor], grad: Tensor, beta: float) -> None:
-    """Fold the gradient (m×n) into the sketch (in place): decay the slots by ``beta``, add
-    (1 − beta) of the gradient at their rows, offer each column's k largest other gradient
-    entries, keep the k largest by magnitude."""
+    """Fold the gradient (m×n, any floating dtype) into the sketch (in place): decay the slots
+    by ``beta``, add (1 − beta) of the gradient at their rows, offer each column's k largest
+    other gradient entries, keep the k largest by magnitude. The gradient is read at the slots'
+    rows and by slices of rows (``column_extremes``): no m×n temporary."""
     slots = sketch["sketch_rows"].long()
     k = slots.shape[0]
-    grad = grad.float()
-    kept = sketch_values(sketch) * beta + grad.gather(0, slots) * (1 - beta)
+    kept = sketch_values(sketch) * beta + grad.gather(0, slots).float() * (1 - beta)
     # Candidates: the column's k largest and k smallest gradient entries (the k largest
-    # magnitudes are among them; no m×n |grad| is made), unless a slot or the first list holds
-    # their row.
-    largest = grad.topk(k, dim=0).indices
-    smallest = grad.topk(k, dim=0, largest=False).indices
+    # magnitudes are among them), unless a slot or the first list holds their row.
+    largest, smallest = column_extremes(grad, k)
     candidates = torch.cat([largest, smallest])
     held = (candidates.unsqueeze(1) == slots.unsqueeze(0)).any(dim=1)
     held[k:] |= (smallest.unsqueeze(1) == largest.unsqueeze(0)).any(dim=1)
-    offered = grad.gather(0, candidates) * (1 - beta)
+    offered = grad.gather(0, candidates).float() * (1 - beta)
     score = torch.where(held, -1.0, offered.abs())
     # Slots first: among equal magnitudes a slot stays (sorting is stable).
     merged_rows = torch.cat([slots, candidates])
@@ -115,9 +158,11 @@ def sketch_source(sketch: dict[str, Tensor], shape: tuple[int, int]) -> tuple[Te
 
 
 def dense_ema_source(average: Tensor, grad: Tensor, beta: float) -> tuple[Tensor, Tensor]:
-    """The oracle: ``average`` (m×n fp32) ← average·β + grad·(1 − β) in place, then its
-    ``column_top1``. The same arithmetic as a sketch's slots, so a sketch with k ≥ m equals it."""
-    average.copy_(average * beta + grad.float() * (1 - beta))
+    """The oracle: ``average`` (m×n fp32) ← average·β + grad·(1 − β) in place, a slice of rows
+    at a time, then its ``column_top1``. The same arithmetic as a sketch's slots, so a sketch
+    with k ≥ m equals it."""
+    for _, rows in slices_to_update(*average.shape, meta=average.is_meta):
+        average[rows] = average[rows] * beta + grad[rows].float() * (1 - beta)
     return column_top1(average)
 
 
@@ -140,10 +185,19 @@ class OneSparse(NamedTuple):
     values: Tensor
     transposed: bool
 
-    def add_to(self, weights: Tensor, alpha: float) -> None:
-        """``weights`` += alpha · direction, one ``scatter_add_`` of n values (in place)."""
-        target = weights.T if self.transposed else weights
-        target.scatter_add_(0, self.rows.unsqueeze(0), (self.values * alpha).to(weights.dtype).unsqueeze(0))
+    def add_to(self, weights: Tensor, alpha: float, first_row: int = 0) -> None:
+        """Add alpha · direction to ``weights``, the rows from ``first_row`` of the matrix (all
+        of it by default), in place: one ``scatter_add_`` of n values, the entries of other
+        rows adding zero."""
+        values = (self.values * alpha).to(weights.dtype)
+        if self.transposed:  # the weights' rows are the direction's columns
+            part = slice(first_row, first_row + weights.shape[0])
+            weights.scatter_add_(1, self.rows[part].unsqueeze(1), values[part].unsqueeze(1))
+            return
+        rows = self.rows - first_row
+        inside = (rows >= 0) & (rows < weights.shape[0])
+        index = torch.where(inside, rows, 0).unsqueeze(0)
+        weights.scatter_add_(0, index, torch.where(inside, values, 0).unsqueeze(0))
 
 
 # The rule's hyperparameters (per param group) and their defaults.
@@ -160,6 +214,7 @@ class TACORule:
 
     moment_kinds: ClassVar[dict[str, str]] = {}  # its state is its own, not a codec's moments
     elementwise: ClassVar[bool] = False  # a column's largest entry needs the whole column
+    reads_own_dtype: ClassVar[bool] = True  # it reads the gradient by slices of rows itself
     factored_keys: ClassVar[tuple[str, ...]] = ()
     fused: ClassVar[str | None] = None
     # Hyperparameters of the rule besides lr and weight_decay.
