@@ -98,6 +98,18 @@ CONFIGURATIONS = {
         model="llama_9m", optimizer="muon8bit", layerwise=True, dtype="int8", batch_size=2, seq_len=64
     ),
     "galore muon": dict(model="llama_9m", optimizer="galore_muon", rank=32, batch_size=2, seq_len=64),
+    "gqa config, int8 embedding and head, taco layer-wise checkpointing": dict(
+        model="gqa",
+        optimizer="taco",
+        layerwise=True,
+        checkpointing=True,
+        dtype="int8-all",
+        batch_size=2,
+        seq_len=64,
+    ),
+    "int8 embedding, apollo-mini layer-wise": dict(
+        model="llama_9m", optimizer="apollo_mini", layerwise=True, dtype="int8-embed", batch_size=2, seq_len=64
+    ),
 }
 # Exact to the byte, the peak included (the ternary codec's digit table, a cache of the process,
 # counted on the meta device only, made the plan 1,285 bytes larger than the CPU's count).
@@ -108,6 +120,8 @@ EXACT_PEAKS = (
     "ternary states, unprojected",
     "int8 weights, muon8bit layer-wise",
     "galore muon",
+    "gqa config, int8 embedding and head, taco layer-wise checkpointing",
+    "int8 embedding, apollo-mini layer-wise",
 )
 
 
@@ -376,9 +390,27 @@ def test_the_header_says_where_an_unnamed_rank_comes_from(capsys) -> None:
             ],
             "dtype int8 with distributed fsdp2: int8 weights train in one process",
         ),
+        (
+            ["--model", "llama_9m", "--optimizer", "taco", "--dtype", "int8-embed", "--processes", "2",
+             "--distributed", "ddp"],
+            "dtype int8-embed with distributed ddp: int8 weights train in one process",
+        ),
     ],
-)
+)  # fmt: skip
 def test_cli_bad_input_exits_2_with_one_line(extra: list[str], message: str, capsys) -> None:
     assert main(["memory", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("slimopt: error: ") and message in err[0]
+
+
+def test_cli_refuses_int8_embed_for_a_tied_head(tmp_path, capsys) -> None:
+    """A tied embedding and head are one tensor: int8-embed would split it."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=1,
+        vocab_size=300, tie_word_embeddings=True,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    assert main(["memory", "--model", str(tmp_path), "--optimizer", "adamw", "--dtype", "int8-embed"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "one tensor (tied) in this model: int8-all makes it int8" in err[0]

@@ -445,3 +445,96 @@ def test_grad_dtype_follows_the_weights_shown_dtype() -> None:
     weight = model.model.layers[0].self_attn.v_proj.weight
     assert weight.grad.dtype == torch.bfloat16 and weight.grad.shape == weight.shape
     assert F.linear(torch.ones(1, 64, dtype=torch.bfloat16), weight).dtype == torch.bfloat16
+
+
+# --- int8 embedding and head ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3, -2])
+def test_an_int8_embedding_equals_an_embedding_of_its_dequantized_values(padding_idx) -> None:
+    """Forward: the looked-up rows decoded, bit for bit the dequantized weight's rows; backward:
+    the dense gradient a plain bf16 embedding gets (the padding row's zero)."""
+    torch.manual_seed(0)
+    weight = Int8Weight.from_float(torch.randn(40, 512).to(torch.bfloat16))
+    int8 = nn.Parameter(weight)
+    plain = nn.Parameter(weight.dequantize())
+    tokens = torch.randint(0, 40, (3, 9))
+    tokens[0, :3] = 38
+    ours, theirs = F.embedding(tokens, int8, padding_idx), F.embedding(tokens, plain, padding_idx)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, theirs)
+    grad = torch.randn_like(ours)
+    ours.backward(grad)
+    theirs.backward(grad)
+    assert type(int8.grad) is torch.Tensor and torch.equal(int8.grad, plain.grad)
+    if padding_idx is not None:
+        assert not int8.grad[padding_idx % 40].any()
+
+
+@pytest.mark.parametrize(("dtype", "embedding", "head"), [
+    ("int8", "Parameter", "Parameter"),
+    ("int8-embed", "Int8Weight", "Parameter"),
+    ("int8-all", "Int8Weight", "Int8Weight"),
+])  # fmt: skip
+def test_int8_embed_and_all_store_the_embedding_and_head(dtype, embedding, head) -> None:
+    """Each dtype's embedding and head, training them (codes move), and the state dict's codes
+    loading into a fresh model of the dtype: the same logits."""
+    model = quantize_weights(tiny_llama(), dtype)
+    kinds = {name: type(p).__name__ for name, p in model.named_parameters()}
+    assert kinds["model.embed_tokens.weight"] == embedding and kinds["lm_head.weight"] == head
+    assert kinds["model.layers.0.mlp.up_proj.weight"] == "Int8Weight"
+    before = copy.deepcopy(model.state_dict())
+    train_language_model(model, slimopt.build_optimizer(model, "taco", lr=1e-2), range(4))
+    for name in ("model.embed_tokens", "lm_head"):
+        key = f"{name}.weight_codes" if "int8" in kinds[f"{name}.weight"].lower() else f"{name}.weight"
+        assert not torch.equal(model.state_dict()[key], before[key]), key
+    fresh = quantize_weights(tiny_llama(), dtype)
+    fresh.load_state_dict(model.state_dict())
+    batch = token_batch(1)
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=batch).logits, model(input_ids=batch).logits)
+
+
+def test_a_tied_embedding_and_head_are_one_int8_tensor() -> None:
+    """int8-all quantizes the tied tensor once (one parameter for the optimizer, codes under
+    both names, an export a plain model loads strictly); int8-embed would split it: refused,
+    naming both ways out, the model unchanged."""
+    tied = build_llama((64, 128, 4, 2), vocab_size=256, tie_word_embeddings=True).to(torch.bfloat16)
+    with pytest.raises(
+        ValueError, match=r"one tensor \(tied\) in this model: int8-all makes it int8, int8 keeps it bf16"
+    ):
+        quantize_weights(tied, "int8-embed")
+    assert not any(isinstance(p, Int8Weight) for p in tied.parameters())
+    quantize_weights(tied, "int8-all")
+    assert (
+        isinstance(tied.lm_head.weight, Int8Weight) and tied.lm_head.weight is tied.model.embed_tokens.weight
+    )
+    optimizer = slimopt.build_optimizer(tied, "adamw", lr=3e-3)
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(tied.parameters()))
+    train_language_model(tied, optimizer, range(3))
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    state = tied.state_dict()
+    assert torch.equal(state["lm_head.weight_codes"], state["model.embed_tokens.weight_codes"])
+    plain = build_llama((64, 128, 4, 2), vocab_size=256, tie_word_embeddings=True).to(torch.bfloat16)
+    plain.load_state_dict(dequantized_state_dict(tied))
+    batch = token_batch(0)
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=batch).logits, tied(input_ids=batch).logits)
+
+
+def test_an_embedding_or_head_the_dtype_cannot_take_is_refused_before_any_change() -> None:
+    with pytest.raises(ValueError, match="int8-embed makes the input embedding int8, but this model has no"):
+        quantize_weights(_mlp(), "int8-embed")
+    assert not any(isinstance(p, Int8Weight) for p in _mlp().parameters())
+    model = tiny_llama()
+    model.model.embed_tokens.max_norm = 1.0
+    with pytest.raises(
+        ValueError, match=r"renormalizes rows \(max_norm\) or has sparse gradients, .* use int8"
+    ):
+        quantize_weights(model, "int8-all")
+    assert not any(isinstance(p, Int8Weight) for p in model.parameters())
+    model = tiny_llama()
+    model.lm_head = nn.Sequential(model.lm_head)
+    with pytest.raises(
+        ValueError, match="int8-all makes the output head int8, but this model's is Sequential"
+    ):
+        quantize_weights(model, "int8-all")

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from slimopt.weight_formats import COMPUTE_DTYPES, quantize_weights, weight_dtype
+from slimopt.weight_formats import COMPUTE_DTYPES, is_int8, quantize_weights, weight_dtype
 
 
 class LlamaShape(NamedTuple):
@@ -101,8 +101,8 @@ def build_model(
             built = build_llama(model, vocab_size, max_seq_len=seq_len)
     if dtype is not None:
         built.to(dtype)  # also the buffers Hugging Face makes in fp32 explicitly (rotary)
-    if weights == "int8":
-        quantize_weights(built, "int8")
+    if weights is not None and is_int8(weights):
+        quantize_weights(built, weights)
     if checkpointing:
         enable_checkpointing(built)
     return built.train()

@@ -17,8 +17,9 @@ from slimopt.weight_formats import weight_dtype
 OPTIMIZER_FLAGS: dict[str, type] = {**OPTION_TYPES, "weight_decay": float}
 
 DTYPE_HELP = (
-    "how the weights are stored: fp32, bf16, bf16+8 (bf16 and an 8-bit correction, 24 bits) or "
-    "int8 (linear weights as int8 codes, stochastic rounding; the rest bf16)"
+    "how the weights are stored: fp32, bf16, bf16+8 (bf16 and an 8-bit correction, 24 bits), "
+    "int8 (linear weights as int8 codes, stochastic rounding; the rest bf16), int8-embed (the "
+    "input embedding int8 too) or int8-all (the embedding and the output head int8 too)"
 )
 
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from slimopt.distributed.grad_sync import GradientSync, sync_gradients
 from slimopt.sharding import initialized, split_by_rows
+from slimopt.weight_formats import is_int8
 from slimopt.weight_formats.int8 import INT8_ONE_PROCESS, Int8Weight
 
 # How a multi-process run shares the work (``slimopt train --distributed``, ``slimopt memory``).
@@ -51,7 +52,7 @@ def strategy_error(
         return "grad_sync", PROJECTED_SYNC_STRATEGIES.get(strategy, PROJECTED_SYNC_STRATEGIES[None])
     if strategy is None:
         return None
-    if weights == "int8":
+    if is_int8(weights):
         return "weights", INT8_ONE_PROCESS
     if layerwise and strategy in ("ddp", "zero1"):
         return "layerwise", (

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from slimopt.memory import LiveBytes, state_tensors
 from slimopt.registry import OPTIMIZERS, build_optimizer, resolve_name
-from slimopt.weight_formats import optimizer_options
+from slimopt.weight_formats import INT8_PARTS, optimizer_options
 
 # References: name → (package that must be installed, whether it needs CUDA, constructor).
 REFERENCES: dict[str, tuple[str | None, bool, Callable[[nn.Module, float], Any]]] = {
@@ -51,7 +51,7 @@ REFERENCES: dict[str, tuple[str | None, bool, Callable[[nn.Module, float], Any]]
 }
 # Weight dtypes only slimopt's optimizers write, and why.
 SLIMOPT_ONLY = {
-    "int8": "the references would change the codes in place",
+    **dict.fromkeys(INT8_PARTS, "the references would change the codes in place"),
     "bf16+8": "the references keep no correction",
 }
 # How a heading names ``fused=``.

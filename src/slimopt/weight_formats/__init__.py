@@ -1,9 +1,11 @@
 """The dtype a model's weights are stored in, chosen once: fp32, bf16, bf16 with an 8-bit
-correction ("bf16+8", kept by the optimizer) or int8 linear weights that train.
+correction ("bf16+8", kept by the optimizer) or int8 weights that train: the linear layers'
+("int8"), and the input embedding too ("int8-embed"), and the output head too ("int8-all").
 
 ``quantize_weights(model, "int8")`` turns every ``nn.Linear`` weight (but the output head's and
 weights shared with an embedding) into an ``Int8Weight``: int8 codes with fp32 block scales,
-updated by slimopt's optimizers with unbiased stochastic rounding. The model's ``state_dict``
+updated by slimopt's optimizers with unbiased stochastic rounding; "int8-embed" and "int8-all"
+add the embedding and the head (one tensor, quantized once, when they are tied). The model's ``state_dict``
 then holds ``weight_codes`` and ``weight_scales`` for each such weight, and loads either those
 or plain float weights (rounded to nearest). ``export_weights`` writes the dequantized weights
 as a plain safetensors file that any model of the architecture loads.
@@ -21,7 +23,13 @@ from torch import Tensor, nn
 from slimopt.targets import output_head
 from slimopt.weight_formats.int8 import BLOCK_SIZE, Int8Weight, dequantize
 
-WEIGHT_DTYPES = ("fp32", "bf16", "bf16+8", "int8")
+WEIGHT_DTYPES = ("fp32", "bf16", "bf16+8", "int8", "int8-embed", "int8-all")
+# The int8 dtypes, and what each makes int8 besides the linear layers' weights.
+INT8_PARTS: dict[str, tuple[str, ...]] = {
+    "int8": (),
+    "int8-embed": ("embedding",),
+    "int8-all": ("embedding", "head"),
+}
 # Clearer spellings, accepted everywhere a weight dtype is.
 ALIASES = {"float32": "fp32", "bfloat16": "bf16", "bf16-corrected": "bf16+8", "int8-sr": "int8"}
 # The dtype each is computed (and its gradient kept) in.
@@ -29,13 +37,13 @@ COMPUTE_DTYPES = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "bf16+8": torch.bfloat16,
-    "int8": torch.bfloat16,
+    **dict.fromkeys(INT8_PARTS, torch.bfloat16),
 }
 # What the optimizer is told of each: bf16+8's correction is its state; with int8 linear weights
 # (rounded stochastically always) the bf16 rest (embeddings, norms, head) is rounded so too.
 OPTIMIZER_OPTIONS: dict[str, dict[str, Any]] = {
     "bf16+8": {"param_rounding": "corrected"},
-    "int8": {"param_rounding": "stochastic"},
+    **{dtype: {"param_rounding": "stochastic"} for dtype in INT8_PARTS},
 }
 CODES, SCALES = "weight_codes", "weight_scales"
 
@@ -43,10 +51,12 @@ __all__ = [
     "ALIASES",
     "BLOCK_SIZE",
     "COMPUTE_DTYPES",
+    "INT8_PARTS",
     "WEIGHT_DTYPES",
     "Int8Weight",
     "dequantized_state_dict",
     "export_weights",
+    "is_int8",
     "lost_int8_weights",
     "optimizer_options",
     "quantize_weights",
@@ -63,6 +73,11 @@ def weight_dtype(name: str) -> str:
         valid = ", ".join([*WEIGHT_DTYPES, *ALIASES])
         raise ValueError(f"unknown weight dtype {name!r}; valid: {valid}")
     return canonical
+
+
+def is_int8(dtype: str) -> bool:
+    """Whether weight dtype ``dtype`` stores weights as int8 codes."""
+    return weight_dtype(dtype) in INT8_PARTS
 
 
 def stored_dtype(state: dict[str, Tensor]) -> str:
@@ -103,10 +118,12 @@ def quantize_weights(
     (those whose name is one of it or ends with ``.`` and one of it; None: the output head, the
     model's ``get_output_embeddings()`` or else its ``lm_head``), weights shared with
     another module (a tied embedding) and empty weights (a layer without inputs or outputs);
-    they stay as they are. "bf16+8" raises: its correction is the optimizer's
-    state (cast to bf16 and build the optimizer with ``param_rounding="corrected"``).
-    Raises ``ValueError`` naming a bad dtype or block size, or a model already in int8 asked
-    for another dtype.
+    they stay as they are. "int8-embed" stores the input embedding (``get_input_embeddings()``,
+    an ``nn.Embedding``) so too, "int8-all" the embedding and the output head (an ``nn.Linear``);
+    a tied embedding and head are one tensor, quantized once, and need "int8-all". "bf16+8"
+    raises: its correction is the optimizer's state (cast to bf16 and build the optimizer with
+    ``param_rounding="corrected"``). Raises ``ValueError`` naming a bad dtype or block size, a
+    model already in int8 asked for another dtype, or an embedding or head the dtype cannot take.
     """
     dtype = weight_dtype(dtype)
     if dtype == "bf16+8":
@@ -117,10 +134,11 @@ def quantize_weights(
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     quantized = [name for name, param in model.named_parameters() if isinstance(param, Int8Weight)]
-    if quantized and dtype != "int8":
+    if quantized and dtype not in INT8_PARTS:
         raise ValueError(f"{quantized[0]} is int8 already; export_weights gives its values in {dtype}")
-    if dtype != "int8":
+    if dtype not in INT8_PARTS:
         return model.to(COMPUTE_DTYPES[dtype])
+    parts = _int8_parts(model, dtype)  # checked before anything changes
     if any(
         p.is_floating_point() and p.dtype not in (torch.float32, torch.bfloat16) for p in model.parameters()
     ):
@@ -139,12 +157,56 @@ def quantize_weights(
             or any(name == s or name.endswith("." + s) for s in names)
         ):
             continue
-        module.weight = nn.Parameter(
-            Int8Weight.from_float(weight, block_size), requires_grad=weight.requires_grad
-        )
-        module.register_state_dict_post_hook(_save_codes)
-        module.register_load_state_dict_pre_hook(_load_codes)
+        _quantize(module, block_size)
+    tied = len(parts) == 2 and parts[0].weight is parts[1].weight
+    for position, module in enumerate(parts):
+        if tied and position == 1:  # one tensor: its codes saved under the head's names too
+            _quantize(module, block_size, parts[0].weight)
+        elif not isinstance(module.weight, Int8Weight):
+            _quantize(module, block_size)
     return model
+
+
+def _quantize(module: nn.Module, block_size: int, shared: nn.Parameter | None = None) -> None:
+    """Store ``module``'s weight as an ``Int8Weight`` (or give it ``shared``, the int8 weight
+    it is tied to) and save and load it as codes and scales."""
+    if shared is None:
+        shared = nn.Parameter(
+            Int8Weight.from_float(module.weight, block_size), requires_grad=module.weight.requires_grad
+        )
+    module.weight = shared
+    module.register_state_dict_post_hook(_save_codes)
+    module.register_load_state_dict_pre_hook(_load_codes)
+
+
+def _int8_parts(model: nn.Module, dtype: str) -> list[nn.Module]:
+    """The modules besides the linear layers whose weights ``dtype`` makes int8 (the embedding,
+    then the head); raises ``ValueError`` for a model that has not such a module, or whose tied
+    embedding and head ``dtype`` would split."""
+    wanted = INT8_PARTS[dtype]
+    if not wanted:
+        return []
+    getter = getattr(model, "get_input_embeddings", None)
+    embedding = getter() if callable(getter) else None
+    if not isinstance(embedding, nn.Embedding):
+        raise ValueError(f"{dtype} makes the input embedding int8, but this model has no nn.Embedding one")
+    if embedding.max_norm is not None or embedding.sparse:
+        raise ValueError(
+            f"{dtype}: the input embedding renormalizes rows (max_norm) or has sparse gradients, "
+            "which an int8 embedding does not take; use int8"
+        )
+    head = output_head(model)
+    tied = head is not None and getattr(head, "weight", None) is embedding.weight
+    if "head" not in wanted:
+        if tied:
+            raise ValueError(
+                "the input embedding and the output head are one tensor (tied) in this model: "
+                "int8-all makes it int8, int8 keeps it bf16"
+            )
+        return [embedding]
+    if type(head) is not nn.Linear:
+        raise ValueError(f"int8-all makes the output head int8, but this model's is {type(head).__name__}")
+    return [embedding, head]
 
 
 def lost_int8_weights(model: nn.Module) -> list[str]:

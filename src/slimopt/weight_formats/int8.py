@@ -145,6 +145,8 @@ class Int8Weight(Tensor):
         kwargs = kwargs or {}
         if func is F.linear:
             return _Linear.apply(*args, **kwargs)
+        if func is F.embedding:
+            return _embedding(*args, **kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -186,6 +188,51 @@ class _Linear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
         return grad_input, grad_weight, grad_bias
+
+
+def _embedding(
+    input: Tensor,
+    weight: Int8Weight,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> Tensor:
+    """``F.embedding`` with an ``Int8Weight``: the rows ``input`` names decoded, the gradient
+    the dense one a bf16 embedding's has."""
+    if max_norm is not None or sparse:
+        raise ValueError(
+            "an int8 embedding takes neither max_norm (which renormalizes rows in place) nor "
+            "sparse gradients; keep this embedding in bf16"
+        )
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]
+    return _Embedding.apply(input, weight, -1 if padding_idx is None else padding_idx, scale_grad_by_freq)
+
+
+class _Embedding(torch.autograd.Function):
+    """An embedding lookup in an ``Int8Weight``: only the looked-up rows are dequantized (in the
+    weight's dtype, through fp32 as ``dequantize`` does); backward is aten's dense embedding
+    gradient, as for a plain weight of that dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, weight: Int8Weight, padding_idx: int, by_frequency: bool) -> Tensor:
+        ctx.save_for_backward(input)
+        ctx.rows, ctx.padding_idx, ctx.by_frequency = weight.shape[0], padding_idx, by_frequency
+        flat = input.reshape(-1)
+        values = dequantize(weight.codes[flat], weight.scales[flat], weight.dtype)
+        return values.view(*input.shape, weight.shape[1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        (input,) = ctx.saved_tensors
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = aten.embedding_dense_backward(
+                grad, input, ctx.rows, ctx.padding_idx, ctx.by_frequency
+            )
+        return None, grad_weight, None, None
 
 
 def _wrap(
