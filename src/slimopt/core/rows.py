@@ -50,7 +50,11 @@ def update_by_row_slices(update: Update) -> Outcome:
             else:
                 moments = {key: storage.decode(stored[key], index) for key, storage in storages.items()}
             direction = plan.rule.direction(slice_grad, moments, update.age, group)
+            # Each fp32 temporary is let go once read: the gradient's slice before the moments
+            # are encoded, each decoded moment as it is encoded (each encode's own temporaries
+            # then reuse their memory).
+            del slice_grad
             for key, storage in storages.items():
-                storage.encode(stored[key], index, moments[key], update.generator)
+                storage.encode(stored[key], index, moments.pop(key), update.generator)
             update_weights(weights[rows], direction, write.of_rows(rows))
     return Outcome.TAKEN if update.keep is None else Outcome.MASKED
