@@ -117,3 +117,29 @@ def test_weights_fsdp2_splits_by_rows_take_the_basis_on_the_unsplit_side(one_pro
     for proj_type in ("std", "left"):
         with pytest.raises(ValueError, match=f"proj_type='{proj_type}' puts the basis of .* on the rows"):
             build_optimizer(model, "galore_adamw", lr=1e-3, rank=8, proj_type=proj_type)
+
+
+def test_unprojected_states_store_the_embedding_and_head_moments_their_own_way() -> None:
+    """``unprojected_states`` for the matrices a projecting optimizer leaves whole (embedding,
+    head); ``states`` given alone holds for every group; an optimizer that projects nothing has
+    no such group, so the option is refused."""
+    from slimopt.registry.names import OPTIMIZERS
+
+    def states(name: str, **options) -> dict[str, str]:
+        optimizer = build_optimizer(tiny_llama(0), name, lr=1e-3, **options)
+        return {g["name"]: g["states"] for g in optimizer.param_groups}
+
+    assert states("galore_adamw", rank=8, unprojected_states="ternary") == {
+        "projected": "fp32",
+        "unprojected": "ternary",
+        "no_decay": "fp32",
+    }
+    assert states("galore_adamw", rank=8) == dict.fromkeys(("projected", "unprojected", "no_decay"), "fp32")
+    assert OPTIMIZERS["apollo_mini"].unprojected_states == "int8"
+    assert states("apollo_mini") == {"projected": "fp32", "unprojected": "int8", "no_decay": "fp32"}
+    assert set(states("apollo_mini", states="bf16").values()) == {"bf16"}
+    assert states("apollo_mini", states="bf16", unprojected_states="fp32")["unprojected"] == "fp32"
+    with pytest.raises(ValueError, match="adamw8bit projects nothing, so unprojected_states means nothing"):
+        build_optimizer(tiny_llama(0), "adamw8bit", lr=1e-3, unprojected_states="int8")
+    with pytest.raises(ValueError, match="unknown states 'int3'"):
+        build_optimizer(tiny_llama(0), "apollo_mini", lr=1e-3, unprojected_states="int3")

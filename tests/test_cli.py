@@ -672,11 +672,10 @@ def test_bench_times_slimopt_beside_the_references(tmp_path: Path, capsys) -> No
     }  # fmt: skip
     # Muon's matrices and AdamW's rest: torch's two optimizers hold what slimopt's one does.
     assert rows["muon"]["state_bytes"] == rows["torch_muon"]["state_bytes"]
-    # The same fp32 moments as torch's AdamW; int8 keeps about a quarter of them. APOLLO-Mini's
-    # moments and limiter norms are apollo-torch's (whose random matrices, kept in projector
-    # objects, no count sees; slimopt draws them again instead).
+    # The same fp32 moments as torch's AdamW; int8 keeps about a quarter of them. APOLLO-Mini
+    # keeps the embedding's and head's moments, nearly all of apollo-torch's state, in int8.
     assert rows["adamw"]["state_bytes"] == rows["torch_adamw_foreach"]["state_bytes"]
-    assert rows["apollo_mini"]["state_bytes"] == rows["apollo_torch_mini"]["state_bytes"]
+    assert rows["apollo_mini"]["state_bytes"] < 0.5 * rows["apollo_torch_mini"]["state_bytes"]
     assert rows["adamw8bit"]["state_bytes"] < 0.3 * rows["adamw"]["state_bytes"]
     assert all(row["step_seconds"] > row["optimizer_step_seconds"] > 0 for row in rows.values())
     assert main(["bench", "--optimizers", "adam_w"]) == 2

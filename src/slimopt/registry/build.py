@@ -45,8 +45,9 @@ def build_optimizer(
     ``proj_type`` names a side: they get the other one, so "left" is the output side of every
     layer), ``"projected_experts"`` (a mixture of experts' stacked 3-D expert weights, with
     ``experts=True``: each expert projected as its own matrix, out × in),
-    ``"unprojected"`` (every other matrix) and ``"no_decay"`` (1-D parameters: biases and norms,
-    without weight decay). A rank at which projection saves no state warns. Where FSDP2 has
+    ``"unprojected"`` (every other matrix; its moments stored as ``unprojected_states`` says,
+    by default as ``states`` or, for APOLLO-Mini, int8) and ``"no_decay"`` (1-D parameters:
+    biases and norms, without weight decay). A rank at which projection saves no state warns. Where FSDP2 has
     split the selected weights by rows and no ``proj_type`` is given, it is ``"right"`` (the
     basis on the unsplit side; ``describe`` says why).
     Remaining ``options`` (``weight_decay``, ``betas``, …) go to the optimizer class. Raises
@@ -69,6 +70,7 @@ def build_optimizer(
         return _build_taco(model, lr=lr, rank=rank, target_modules=target_modules, **options)
     if issubclass(spec.cls, Muon):
         return _build_muon(name, model, lr=lr, rank=rank, target_modules=target_modules, **options)
+    unprojected = _unprojected_states(name, options)
     rank, projection = _projection_asked(name, rank, target_modules, options)
     # model.parameters() yields a tied parameter (an embedding shared with the output head) once.
     params = {id(p): p for p in model.parameters() if p.requires_grad}
@@ -98,10 +100,25 @@ def build_optimizer(
         {
             "name": "unprojected",
             "params": [p for i, p in params.items() if i not in projected_ids and p.dim() >= 2],
+            **unprojected,
         },
         {"name": "no_decay", "params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
     ]
     return spec.cls([g for g in groups if g["params"]], lr=lr, **options)
+
+
+def _unprojected_states(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The ``"unprojected"`` group's own storage of ``build_optimizer(model, name)``'s moments:
+    ``unprojected_states`` (taken out of ``options``), else the name's default unless
+    ``states`` is given (then it holds for every group). Raises ``ValueError`` for
+    ``unprojected_states`` on an optimizer that projects nothing."""
+    spec = OPTIMIZERS[name]
+    states = options.pop("unprojected_states", None)
+    if states is not None and not spec.projected:
+        raise ValueError(f"{name} projects nothing, so unprojected_states means nothing: give states")
+    if states is None and "states" not in options:
+        states = spec.unprojected_states
+    return {} if states is None else {"states": states}
 
 
 def _projection_asked(

@@ -25,13 +25,16 @@ from slimopt.optimizers import (
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """An optimizer class, whether its selected matrices are projected, and the name's own rank
-    and projection options where the class has no such default (APOLLO-Mini's)."""
+    """An optimizer class, whether its selected matrices are projected, the name's own rank
+    and projection options where the class has no such default (APOLLO-Mini's), and how the
+    moments of the matrices it does not project (the embedding, the output head) are stored
+    unless ``states`` or ``unprojected_states`` is given (None: as the others)."""
 
     cls: type[SlimoptOptimizer]
     projected: bool
     rank: int | None = None
     options: tuple[tuple[str, Any], ...] = ()
+    unprojected_states: str | None = None
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
@@ -46,8 +49,14 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "galore_adamw4bit": OptimizerSpec(AdamW4bit, projected=True),
     "galore_adamw_ternary": OptimizerSpec(AdamWTernary, projected=True),
     "apollo_adamw": OptimizerSpec(APOLLOAdamW, projected=True),
+    # int8 moments for the embedding and head: measured to cost nothing (docs/results/weights.md),
+    # where fp32 ones were nearly all of APOLLO-Mini's state.
     "apollo_mini": OptimizerSpec(
-        APOLLOAdamW, projected=True, rank=1, options=(("scale_type", "tensor"), ("scale", 128.0))
+        APOLLOAdamW,
+        projected=True,
+        rank=1,
+        options=(("scale_type", "tensor"), ("scale", 128.0)),
+        unprojected_states="int8",
     ),
     "taco": OptimizerSpec(TACO, projected=False),
     "muon": OptimizerSpec(Muon, projected=False),
