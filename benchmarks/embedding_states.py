@@ -22,8 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.architectures import corpus_bytes, lm_task, relative, sweep
-from benchmarks.weight_formats import LEARNING_RATES, ROWS, stored
+from benchmarks.architectures import corpus_bytes, lm_task, sweep
+from benchmarks.weight_formats import LEARNING_RATES, ROWS, loss_with_change, stored
 
 OPTIMIZERS = {"taco": "fallback_states", "apollo_mini": "unprojected_states"}
 STATES = ("fp32", "int8", "ternary")
@@ -66,15 +66,8 @@ def render(results: dict[str, Any]) -> str:
             shown = []
             for kind in states:
                 cell = row["cells"].get(f"{name} / {kind}")
-                if cell is None:
-                    shown.append("—")
-                    continue
-                change = (
-                    ""
-                    if reference is None or kind == "fp32"
-                    else (f" ({relative('loss', cell['metric'], reference['metric']):+.1%})")
-                )
-                shown.append(f"{cell['metric']:.4f}{change}")
+                against = None if kind == "fp32" else reference
+                shown.append("—" if cell is None else loss_with_change(cell, against))
             lines.append(f"| {row['task']} | {name} | " + " | ".join(shown) + " |")
     return "\n".join(lines)
 

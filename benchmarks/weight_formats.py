@@ -230,12 +230,8 @@ def render(results: dict[str, Any]) -> str:
                 if cell is None:
                     shown.append("—")
                     continue
-                change = (
-                    ""
-                    if reference is None or fmt == "fp32"
-                    else (f" ({relative('loss', cell['metric'], reference['metric']):+.1%})")
-                )
-                shown.append(f"{cell['metric']:.4f}{change}<br>lr {cell['best_lr']:g}")
+                against = None if fmt == "fp32" else reference
+                shown.append(f"{loss_with_change(cell, against)}<br>lr {cell['best_lr']:g}")
                 sweeps.append(f"| {row['task']} | {name} | {fmt} | {_sweep(cell)} |")
             lines.append(f"| {row['task']} | {name} | " + " | ".join(shown) + " |")
             for fmt, against, goal in [(f, a, g) for f, pairs in GOALS.items() for a, g in pairs]:
@@ -257,6 +253,13 @@ def render(results: dict[str, Any]) -> str:
             *sweeps,
         ]
     )
+
+
+def loss_with_change(cell: dict[str, Any], reference: dict[str, Any] | None) -> str:
+    """A cell's validation loss, and its change against ``reference``'s when there is one."""
+    if reference is None:
+        return f"{cell['metric']:.4f}"
+    return f"{cell['metric']:.4f} ({relative('loss', cell['metric'], reference['metric']):+.1%})"
 
 
 def _sweep(cell: dict[str, Any]) -> str:

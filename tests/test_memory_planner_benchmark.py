@@ -29,3 +29,24 @@ def test_llama_7b_script_runs_every_configuration_on_a_small_model() -> None:
         llama_7b_runs(torch.device("cpu"), 2, False, model="llama_9m", rank=32, vocab_size=512)
     )
     assert measured_only["predicted"] is None and "| — | — |" in llama_7b_row(measured_only)
+
+
+def test_the_presets_script_tabulates_and_plots_each_plan_term_by_term(tmp_path) -> None:
+    """``benchmarks.presets_memory`` on a small preset: one row per plan whose terms sum to
+    its peak, a goal only where the preset has one, and the plot written."""
+    from argparse import Namespace
+
+    from benchmarks.presets_memory import run
+    from slimopt.planner import TERMS
+
+    plot = tmp_path / "plot.png"
+    optimizers = ["taco", "apollo_mini"]
+    args = Namespace(out=str(tmp_path), plot=str(plot), models=["llama_9m"], optimizers=optimizers)
+    args.dtype = "int8-embed"
+    results = run(args)
+    assert [(r["model"], r["optimizer"]) for r in results["rows"]] == [("llama_9m", o) for o in optimizers]
+    for row in results["rows"]:
+        assert sum(row["at_peak"][term] for term in TERMS) == row["peak_bytes"] and row["goal_gib"] is None
+    table = (tmp_path / "results.md").read_text().splitlines()
+    assert table[0].startswith("| model | optimizer | peak GiB | goal GiB | weights | states |")
+    assert len(table) == 4 and table[2].startswith("| llama_9m | taco | ") and plot.stat().st_size > 0
