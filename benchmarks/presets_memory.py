@@ -1,5 +1,5 @@
 """What full-parameter training of each LLaMA preset takes, term by term: the memory planner's
-peak for TACO and APOLLO-Mini with layer-wise updates, activation checkpointing, 1×256 tokens
+peak for TACO, APOLLO-Mini and Adafactor with layer-wise updates, activation checkpointing, 1×256 tokens
 and int8 weights (the input embedding int8 too), against the card each is meant to fit.
 
     python -m benchmarks.presets_memory [--out runs/presets-memory] [--plot PATH] [--dtype int8-embed]
@@ -21,7 +21,7 @@ from slimopt.planner import TERMS, plan_memory
 # Each preset and the most GiB a plan of it may take: an 8 GB card with its CUDA context (7B),
 # a 16 GB one (13B), LLaMA-3-8B's goal, one 80 GB card with room for its context (70B).
 GOALS_GIB = {"llama_7b": 7.5, "llama3_8b": 9.0, "llama_13b": 14.0, "llama_70b": 70.0}
-OPTIMIZERS = ("taco", "apollo_mini")
+OPTIMIZERS = ("taco", "apollo_mini", "adafactor")
 # How each term is named in the table and the plot.
 LABELS = {
     "weights": "weights",

@@ -97,3 +97,58 @@ def test_float64_parameters_match_hugging_face_adafactor_in_float64(hyper) -> No
     for p, q in zip(ours, theirs, strict=True):
         assert p.dtype == torch.float64
         assert relative_error(p.detach(), q.detach()) <= 1e-5
+
+
+@pytest.fixture
+def slices_of(monkeypatch: pytest.MonkeyPatch):
+    """Set the elements of a slice of rows an update goes through."""
+    from slimopt.codecs import slicing
+
+    return lambda numel: monkeypatch.setattr(slicing, "SLICE_NUMEL", numel)
+
+
+@pytest.mark.parametrize("hyper", [
+    {"lr": None, "relative_step": True, "scale_parameter": True},
+    {"lr": 1e-2, "relative_step": False, "scale_parameter": False, "weight_decay": 0.01},
+])  # fmt: skip
+def test_a_factored_matrix_by_slices_of_rows_matches_hugging_face(slices_of, hyper) -> None:
+    """Slices of 3 rows: the statistics, the clipping RMS and the weights' RMS combined slice by
+    slice give Hugging Face's Adafactor on the whole matrix, fp32 rounding apart."""
+    slices_of(3 * 40)
+    torch.manual_seed(0)
+    ours = torch.randn(24, 40, requires_grad=True)
+    theirs = ours.detach().clone().requires_grad_()
+    optimizer = GaLoreAdafactor([ours], beta1=None, **hyper)
+    reference = transformers_optimization.Adafactor([theirs], beta1=None, **hyper)
+    for step in range(40):
+        ours.grad, theirs.grad = gradient(step, (24, 40)), gradient(step, (24, 40))
+        optimizer.step()
+        reference.step()
+    assert relative_error(ours.detach(), theirs.detach()) <= 1e-5
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_an_update_keeps_its_temporaries_to_a_slice(slices_of, weights) -> None:
+    """One Adafactor step of a 2048×2048 matrix with a bf16 gradient (factored, no first
+    moment): read whole, the fp32 gradient, its square, the update and the weights' fp32 values
+    are matrices; by slices of 2^16 elements, a few slices' worth."""
+    from slimopt.memory import LiveBytes
+    from slimopt.weight_formats import Int8Weight
+
+    def update_workspace(slice_numel: int) -> int:
+        slices_of(slice_numel)
+        torch.manual_seed(0)
+        value = torch.randn(2048, 2048, dtype=torch.bfloat16)
+        weight = torch.nn.Parameter(Int8Weight.from_float(value) if weights == "int8" else value)
+        optimizer = GaLoreAdafactor([weight], lr=None, weight_decay=0.1, param_rounding="stochastic")
+        weight.grad = torch.randn(2048, 2048, dtype=torch.bfloat16)
+        optimizer.step()  # the statistics exist from here on
+        tracker = LiveBytes()
+        with tracker:
+            optimizer.step()
+        return tracker.peak
+
+    whole, sliced = update_workspace(1 << 30), update_workspace(1 << 16)
+    matrix_bytes, slice_bytes = 2048 * 2048 * 4, (1 << 16) * 4
+    assert whole > 3 * matrix_bytes
+    assert sliced < 8 * slice_bytes and sliced < whole / 10

@@ -107,6 +107,15 @@ CONFIGURATIONS = {
         batch_size=2,
         seq_len=64,
     ),
+    "int8 embedding, adafactor layer-wise checkpointing": dict(
+        model="llama_9m",
+        optimizer="adafactor",
+        layerwise=True,
+        checkpointing=True,
+        dtype="int8-embed",
+        batch_size=2,
+        seq_len=64,
+    ),
     "int8 embedding, apollo-mini layer-wise": dict(
         model="llama_9m",
         optimizer="apollo_mini",
@@ -127,6 +136,7 @@ EXACT_PEAKS = (
     "galore muon",
     "gqa config, int8 embedding and head, taco layer-wise checkpointing",
     "int8 embedding, apollo-mini layer-wise",
+    "int8 embedding, adafactor layer-wise checkpointing",
 )
 
 

@@ -95,3 +95,10 @@ def slices_to_update(rows: int, cols: int, *, meta: bool) -> list[tuple[int, sli
         for position, entry in enumerate(every)
         if not (position >= 2 and sizes[position] == sizes[position - 1] == sizes[position - 2])
     ]
+
+
+def fp32_row_slices(source: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, fp32 values) of each slice of rows of the matrix ``source`` an update goes
+    through (``slices_to_update``): a copy for another dtype, the slice itself for fp32."""
+    for _, rows in slices_to_update(*source.shape, meta=source.is_meta):
+        yield rows.start, source[rows].float()

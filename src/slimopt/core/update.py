@@ -157,12 +157,14 @@ def apply(update: Update, decisions: Decisions) -> None:
 
 def _path(update: Update) -> Outcome:
     # By slices of rows the gradient stays in its dtype: each slice is read as fp32 in turn (by
-    # the update, or by a rule that reads it so itself: TACO's).
+    # the update, or on the reference path by a rule that reads it so itself: TACO's, Adafactor's).
     plan = update.plan
-    begin(update, own_dtype=plan.by_row_slices or (plan.rule.reads_own_dtype and update.basis is None))
+    fused = plan.fusable and plan.fused
+    reads_own = plan.rule.reads_own_dtype and update.basis is None and not fused
+    begin(update, own_dtype=plan.by_row_slices or reads_own)
     if plan.by_row_slices:
         return update_by_row_slices(update)
-    if plan.fusable and plan.fused:
+    if fused:
         try:
             return fused_update(update)
         except NotCompiled:

@@ -13,12 +13,14 @@ Two deliberate differences from galore-torch's GaLoreAdafactor:
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
 from slimopt.checks import FLOAT32_MAX, number, number_error
+from slimopt.codecs.slicing import fp32_row_slices, slices_to_update
 
 
 def rms(tensor: Tensor) -> Tensor:
@@ -29,14 +31,56 @@ def rms(tensor: Tensor) -> Tensor:
     return norm.float() / math.sqrt(tensor.numel())
 
 
+def rms_by_rows(matrix: Tensor, values: Callable[[slice], Tensor] | None = None) -> Tensor:
+    """``rms`` of ``matrix`` (m×n), or of the m×n matrix whose rows ``values`` gives, read a
+    slice of rows at a time (``slices_to_update``): no fp32 copy of the whole matrix. The same
+    number as ``rms`` of the whole for one slice; for several, the norms of the slices are
+    combined (fp32 rounding apart, the same)."""
+    if matrix.numel() == 0:
+        return rms(matrix)
+    norms = []
+    for _, rows in slices_to_update(*matrix.shape, meta=matrix.is_meta):
+        part = matrix[rows] if values is None else values(rows)
+        wide = part.dtype == torch.float64
+        norms.append(torch.linalg.vector_norm(part, dtype=None if wide else torch.float32))
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    return norm.float() / math.sqrt(matrix.numel())
+
+
 # A matrix's factored second moment: the means of its squared gradient by row and by column.
 ROW_KEY, COLUMN_KEY = "exp_avg_sq_row", "exp_avg_sq_col"
 
 
-def squared_gradient(grad: Tensor, eps: float | Tensor) -> Tensor:
+def squared_gradient(grad: Tensor, eps: float | Tensor, count: int | None = None) -> Tensor:
     """``grad² + eps``, bounded so that no mean of it overflows: a finite gradient above ~1e19
-    (its square is inf) would otherwise turn every statistic of its rows and columns to NaN."""
-    return grad.square().add_(eps).clamp_(max=FLOAT32_MAX / max(grad.numel(), 1))
+    (its square is inf) would otherwise turn every statistic of its rows and columns to NaN.
+    ``count``: the elements of the whole gradient when ``grad`` is a slice of it."""
+    return grad.square().add_(eps).clamp_(max=FLOAT32_MAX / max(count or grad.numel(), 1))
+
+
+class FactoredDirection(NamedTuple):
+    """Adafactor's direction of a matrix with factored statistics and no first moment, kept as
+    its parts: ``grad`` (m×n, its own dtype) times ``row_factor`` (m×1) and ``column_factor``
+    (1×n), divided by the clipping ``divisor``; each slice of rows is computed as it is added to
+    the weights (``add_to``), so no m×n fp32 update exists."""
+
+    grad: Tensor
+    row_factor: Tensor
+    column_factor: Tensor
+    divisor: Tensor | None = None
+
+    def rows_of(self, rows: slice) -> Tensor:
+        """The direction's ``rows``, in fp32 (a new tensor)."""
+        update = self.row_factor[rows] * self.column_factor * self.grad[rows].float()
+        return update if self.divisor is None else update.div_(self.divisor)
+
+    def add_to(self, weights: Tensor, alpha: float | Tensor, first_row: int = 0) -> None:
+        """Add alpha · direction to ``weights``, the matrix's rows from ``first_row`` (in place)."""
+        update = self.rows_of(slice(first_row, first_row + weights.shape[0]))
+        if isinstance(alpha, Tensor):  # a step size on the device (scale_parameter)
+            weights.add_(update.mul_(alpha))
+        else:
+            weights.add_(update, alpha=alpha)
 
 
 class AdafactorRule:
@@ -44,7 +88,7 @@ class AdafactorRule:
 
     moment_kinds: ClassVar[dict[str, str]] = {"exp_avg": "linear", "exp_avg_sq": "square"}
     elementwise: ClassVar[bool] = False  # factored statistics and RMS clipping span the tensor
-    reads_own_dtype: ClassVar[bool] = False
+    reads_own_dtype: ClassVar[bool] = True  # a matrix by slices of rows; the rest in fp32
     factored_keys: ClassVar[tuple[str, ...]] = (ROW_KEY, COLUMN_KEY)
     fused: ClassVar[str | None] = "adafactor"
     # Hyperparameters of the rule besides lr and weight_decay, with transformers' defaults;
@@ -87,17 +131,25 @@ class AdafactorRule:
 
     def init_state(self, grad: Tensor, group: dict[str, Any], *, projected: bool) -> dict[str, Tensor]:
         state = {}
+        fp32 = {"dtype": torch.float32}
         if group["beta1"] is not None:
-            state["exp_avg"] = torch.zeros_like(grad)
+            state["exp_avg"] = torch.zeros_like(grad, **fp32)
         if grad.dim() >= 2 and not projected:
-            state[ROW_KEY] = grad.new_zeros(grad.shape[:-1])
-            state[COLUMN_KEY] = grad.new_zeros(grad.shape[:-2] + grad.shape[-1:])
+            state[ROW_KEY] = grad.new_zeros(grad.shape[:-1], **fp32)
+            state[COLUMN_KEY] = grad.new_zeros(grad.shape[:-2] + grad.shape[-1:], **fp32)
         else:
-            state["exp_avg_sq"] = torch.zeros_like(grad)
+            state["exp_avg_sq"] = torch.zeros_like(grad, **fp32)
         return state
 
-    def direction(self, grad: Tensor, state: dict[str, Tensor], age: int, group: dict[str, Any]) -> Tensor:
+    def direction(
+        self, grad: Tensor, state: dict[str, Tensor], age: int, group: dict[str, Any]
+    ) -> Tensor | FactoredDirection:
+        """The update direction; for a matrix with factored statistics and no first moment a
+        ``FactoredDirection``, the gradient read a slice of rows at a time in fp32."""
         weight = math.pow(age, group["decay_rate"])  # 1 - beta2_t, with beta2_t = 1 - t^decay_rate
+        if grad.dim() == 2 and ROW_KEY in state and "exp_avg" not in state:
+            return _factored_direction(grad, state, weight, group)
+        grad = grad.float()
         squared = squared_gradient(grad, group["eps"][0])
         if ROW_KEY in state:
             row, col = state[ROW_KEY], state[COLUMN_KEY]
@@ -122,7 +174,7 @@ class AdafactorRule:
         size = self.unscaled_step_size(group, step)
         if group["scale_parameter"]:
             # A 0-d tensor: reading the RMS on the host would synchronize a GPU once per parameter.
-            return rms(weights).clamp_(min=group["eps"][1]).mul_(size)
+            return rms_by_rows(weights).clamp_(min=group["eps"][1]).mul_(size)
         return size
 
     def unscaled_step_size(self, group: dict[str, Any], step: int) -> float:
@@ -132,3 +184,26 @@ class AdafactorRule:
             ceiling = 1e-6 * step if group["warmup_init"] else 1e-2
             return min(ceiling, 1.0 / math.sqrt(step))
         return group["lr"]
+
+
+def _factored_direction(
+    grad: Tensor, state: dict[str, Tensor], weight: float, group: dict[str, Any]
+) -> FactoredDirection:
+    """``AdafactorRule.direction`` of an m×n matrix with factored statistics and no first
+    moment, its gradient read a slice of rows at a time in fp32: one pass for the row and column
+    means of the squared gradient, one for the update's RMS (the clipping). The same arithmetic
+    as the whole matrix's (its column means summed slice by slice)."""
+    rows, cols = grad.shape
+    row_means = grad.new_empty(rows, dtype=torch.float32)
+    column_sums = grad.new_zeros(cols, dtype=torch.float32)
+    for start, part in fp32_row_slices(grad):
+        squared = squared_gradient(part, group["eps"][0], grad.numel())
+        row_means[start : start + part.shape[0]] = squared.mean(dim=-1)
+        column_sums += squared.sum(dim=-2)
+    row, col = state[ROW_KEY], state[COLUMN_KEY]
+    row.lerp_(row_means, weight)
+    col.lerp_(column_sums.div_(rows), weight)
+    row_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+    unclipped = FactoredDirection(grad, row_factor, col.unsqueeze(-2).rsqrt())
+    divisor = (rms_by_rows(grad, unclipped.rows_of) / group["clip_threshold"]).clamp_(min=1.0)
+    return unclipped._replace(divisor=divisor)

@@ -27,14 +27,13 @@ with ``rule="adamw"``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
 from slimopt.checks import number, number_error
-from slimopt.codecs.slicing import slices_to_update
+from slimopt.codecs.slicing import fp32_row_slices, slices_to_update
 
 # fp8 e4m3's largest finite value: a column's largest slot is stored as this.
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
@@ -48,7 +47,7 @@ def column_top1(source: Tensor) -> tuple[Tensor, Tensor]:
     largest temporary is one slice's fp32 copy, not |source| or the matrix in fp32. The first
     row wins a tie, as in one ``max`` over the whole column."""
     top = top_rows = bottom = bottom_rows = None
-    for start, part in _fp32_row_slices(source):
+    for start, part in fp32_row_slices(source):
         part_top, part_top_rows = part.max(dim=0)
         part_bottom, part_bottom_rows = part.min(dim=0)
         if top is None:
@@ -69,7 +68,7 @@ def column_extremes(source: Tensor, k: int) -> tuple[Tensor, Tensor]:
     order of value. Read a slice of rows at a time in fp32; each slice's extremes are merged
     into the running ones, so no m×n temporary is made."""
     largest = smallest = None
-    for start, part in _fp32_row_slices(source):
+    for start, part in fp32_row_slices(source):
         count = min(k, part.shape[0])
         top, bottom = part.topk(count, dim=0), part.topk(count, dim=0, largest=False)
         found_top = (top.values, top.indices + start)
@@ -86,12 +85,6 @@ def _merged(
     values, rows = torch.cat([running[0], found[0]]), torch.cat([running[1], found[1]])
     best = values.topk(min(k, values.shape[0]), dim=0, largest=largest)
     return best.values, rows.gather(0, best.indices)
-
-
-def _fp32_row_slices(source: Tensor) -> Iterator[tuple[int, Tensor]]:
-    """(first row, fp32 copy) of each slice of rows of ``source`` an update goes through."""
-    for _, rows in slices_to_update(*source.shape, meta=source.is_meta):
-        yield rows.start, source[rows].float()
 
 
 def direction_scale(shape: tuple[int, int]) -> float:
