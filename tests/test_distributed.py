@@ -343,6 +343,9 @@ TOLERANCES = {
 }
 for _tolerances in TOLERANCES.values():  # fp32 moments: reduction order only
     _tolerances |= {"apollo_adamw": 1e-5, "apollo_mini": 1e-5, CORRECTED: 1e-2}
+# APOLLO-Mini's embedding and head keep int8 moments, which FSDP2 quantizes in each row shard's
+# own blocks, as galore_adamw8bit's (measured 9.3e-4).
+TOLERANCES["fsdp2"]["apollo_mini"] = 3e-3
 # Muon against one process averaging the same halves of the batch: measured equal (0.0) under
 # DDP and ZeRO-1, fp32 and int8 momentum alike, and under FSDP2 with fp32 momentum; FSDP2's
 # int8 momentum is quantized in each shard's own blocks (measured 1.1e-3).

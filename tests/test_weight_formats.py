@@ -538,3 +538,44 @@ def test_an_embedding_or_head_the_dtype_cannot_take_is_refused_before_any_change
         ValueError, match="int8-all makes the output head int8, but this model's is Sequential"
     ):
         quantize_weights(model, "int8-all")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_int8_linear_dequantizes_a_slice_of_rows_at_a_time(monkeypatch, dtype) -> None:
+    """A weight above ``MATMUL_NUMEL``: forward and backward equal the dequantized weight's
+    (the input's gradient summed over the slices in fp32: within a rounding of the gradient's
+    dtype), and no copy of the whole weight is made (with the weight frozen, so that its own
+    gradient does not set the peak: forward and the input's gradient with slices of 1/8 of the
+    weight peak at under half of what whole matmuls take)."""
+    from slimopt.memory import LiveBytes
+    from slimopt.weight_formats import int8
+
+    torch.manual_seed(0)
+    layer = nn.Linear(256, 1024).to(dtype)
+    reference = copy.deepcopy(layer)
+    quantize_weights(layer, "int8", skip=())
+    with torch.no_grad():
+        reference.weight.copy_(layer.weight.dequantize())
+    x = torch.randn(4, 256, dtype=dtype, requires_grad=True)
+    y = x.detach().clone().requires_grad_()
+
+    def peak(numel: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(int8, "MATMUL_NUMEL", numel)
+        x.grad = None
+        tracker = LiveBytes()
+        with tracker:
+            out = layer(x)
+            out.backward(torch.ones_like(out))
+        return tracker.peak, out.detach(), x.grad.clone()
+
+    whole, whole_out, whole_grad = peak(1 << 30)
+    sliced, out, grad = peak(256 * 128)
+    expected = reference(y)
+    expected.backward(torch.ones_like(expected))
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    assert torch.allclose(out, expected.detach(), **tolerance) and torch.allclose(out, whole_out, **tolerance)
+    assert torch.allclose(grad, y.grad, **tolerance) and torch.allclose(grad, whole_grad, **tolerance)
+    assert len(int8.matmul_slices(layer.weight)) == 8
+    layer.weight.requires_grad_(False)
+    whole, sliced = peak(1 << 30)[0], peak(256 * 128)[0]
+    assert sliced < whole / 2

@@ -167,27 +167,64 @@ class Int8Weight(Tensor):
         return func(*plain[0], **plain[1])
 
 
+# A weight with more elements than this is dequantized for its matmuls a slice of rows of at most
+# this many elements at a time (64 MiB in bf16), so that no copy of a large matrix (an output
+# head: 0.98 GiB in bf16 at a 128k vocabulary) exists in forward or backward.
+MATMUL_NUMEL = 1 << 25
+
+
+def matmul_slices(weight: Tensor) -> list[slice]:
+    """The slices of rows of ``weight`` its matmuls dequantize at a time (one for a weight of
+    at most ``MATMUL_NUMEL`` elements)."""
+    rows, cols = weight.shape
+    step = rows if weight.numel() <= MATMUL_NUMEL else max(1, MATMUL_NUMEL // max(cols, 1))
+    return [slice(start, min(start + step, rows)) for start in range(0, max(rows, 1), step)]
+
+
 class _Linear(torch.autograd.Function):
-    """``F.linear`` with an ``Int8Weight``: dequantized in the input's dtype for each matmul."""
+    """``F.linear`` with an ``Int8Weight``: dequantized in the input's dtype for each matmul, a
+    slice of rows at a time for a large weight (``MATMUL_NUMEL``): the forward's output columns
+    slice by slice, the input's gradient summed over the slices in fp32 (each slice's product
+    in the gradient's dtype, as one matmul computes it, the sum rounded once into it)."""
 
     @staticmethod
     def forward(ctx: Any, input: Tensor, weight: Int8Weight, bias: Tensor | None = None) -> Tensor:
         ctx.save_for_backward(input, weight)
         ctx.has_bias = bias is not None
-        return F.linear(input, weight.dequantize(input.dtype), bias)
+        parts = matmul_slices(weight)
+        if len(parts) == 1:
+            return F.linear(input, weight.dequantize(input.dtype), bias)
+        output = input.new_empty(*input.shape[:-1], weight.shape[0])
+        for rows in parts:
+            part_bias = None if bias is None else bias[rows]
+            output[..., rows] = F.linear(input, weight[rows].dequantize(input.dtype), part_bias)
+        return output
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         input, weight = ctx.saved_tensors
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_input = grad @ weight.dequantize(grad.dtype)
+            grad_input = _input_gradient(grad, weight)
         if ctx.needs_input_grad[1]:
             flat = grad.reshape(-1, grad.shape[-1])
             grad_weight = flat.t() @ input.reshape(-1, input.shape[-1]).to(grad.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
         return grad_input, grad_weight, grad_bias
+
+
+def _input_gradient(grad: Tensor, weight: Int8Weight) -> Tensor:
+    """``grad @ weight`` (the gradient of ``F.linear``'s input), a slice of rows of a large
+    weight at a time."""
+    parts = matmul_slices(weight)
+    if len(parts) == 1:
+        return grad @ weight.dequantize(grad.dtype)
+    flat = grad.reshape(-1, grad.shape[-1])
+    total = flat.new_zeros(flat.shape[0], weight.shape[1], dtype=torch.float32)
+    for rows in parts:
+        total += flat[:, rows] @ weight[rows].dequantize(grad.dtype)
+    return total.to(grad.dtype).view(*grad.shape[:-1], weight.shape[1])
 
 
 def _embedding(
