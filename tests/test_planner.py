@@ -255,18 +255,20 @@ def test_llama_7b_fits_16_gib_with_ternary_states_and_20_gib_with_int8() -> None
     assert int8.at_peak["gradients"] < 2**30  # layer-wise: no full set of gradients
 
 
-@pytest.mark.slow  # 7B, 13B and 70B models on the meta device, four configurations: ~110 s
+@pytest.mark.slow  # 7B, 8B, 13B and 70B models on the meta device, five configurations: ~130 s
 def test_llama_7b_fits_an_8_gb_card_13b_a_16_gb_one_and_70b_an_80_gb_one() -> None:
     """Layer-wise, activation checkpointing, 1×256 tokens, int8 weights with an int8 embedding:
     LLaMA-7B within 7.5 GiB (an 8 GB card with its CUDA context) with TACO and APOLLO-Mini,
-    LLaMA-13B within 14 GiB, LLaMA-2-70B within 70 GiB with TACO."""
-    for model, optimizer, limit in (
-        ("llama_7b", "taco", 7.5),
-        ("llama_7b", "apollo_mini", 7.5),
-        ("llama_13b", "taco", 14),
-        ("llama_70b", "taco", 70),
+    LLaMA-13B within 14 GiB, LLaMA-2-70B within 70 GiB with TACO; LLaMA-3-8B within 9 GiB with
+    Adafactor and its head int8 too."""
+    for model, optimizer, limit, dtype in (
+        ("llama_7b", "taco", 7.5, "int8-embed"),
+        ("llama_7b", "apollo_mini", 7.5, "int8-embed"),
+        ("llama_13b", "taco", 14, "int8-embed"),
+        ("llama3_8b", "adafactor", 9, "int8-all"),
+        ("llama_70b", "taco", 70, "int8-embed"),
     ):
-        plan = plan_memory(model, optimizer, layerwise=True, checkpointing=True, dtype="int8-embed")
+        plan = plan_memory(model, optimizer, layerwise=True, checkpointing=True, dtype=dtype)
         assert plan.peak_bytes <= limit * 2**30, (model, optimizer, plan.peak_bytes / 2**30)
     assert plan.parameters == pytest.approx(68.98e9, rel=1e-3)
 
