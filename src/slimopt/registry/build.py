@@ -47,9 +47,9 @@ def build_optimizer(
     ``experts=True``: each expert projected as its own matrix, out × in),
     ``"unprojected"`` (every other matrix; its moments stored as ``unprojected_states`` says,
     by default as ``states`` or, for APOLLO-Mini, int8) and ``"no_decay"`` (1-D parameters:
-    biases and norms, without weight decay). A rank at which projection saves no state warns. Where FSDP2 has
-    split the selected weights by rows and no ``proj_type`` is given, it is ``"right"`` (the
-    basis on the unsplit side; ``describe`` says why).
+    biases and norms, without weight decay). A rank at which projection saves no state warns.
+    Where FSDP2 has split the selected weights by rows and no ``proj_type`` is given, it is
+    ``"right"`` (the basis on the unsplit side; ``describe`` says why).
     Remaining ``options`` (``weight_decay``, ``betas``, …) go to the optimizer class. Raises
     ``ValueError`` for an unknown name, for projection options on an unprojected optimizer, for
     a target selection that matches nothing, or for int8 weights that FSDP2 turned into plain

@@ -205,7 +205,8 @@ def _int8_parts(model: nn.Module, dtype: str) -> list[nn.Module]:
             )
         return [embedding]
     if type(head) is not nn.Linear:
-        raise ValueError(f"int8-all makes the output head int8, but this model's is {type(head).__name__}")
+        kind = "none" if head is None else f"a {type(head).__name__}"
+        raise ValueError(f"int8-all makes the output head (an nn.Linear) int8, but this model's is {kind}")
     return [embedding, head]
 
 
