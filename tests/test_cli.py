@@ -215,6 +215,23 @@ def test_compare_writes_results_table_and_plot(workspace: Path, tmp_path: Path, 
     assert (out / "losses.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_plot_that_fails_costs_only_the_plot(workspace: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """The table is printed and saved before the plot; a failing plot is one warning line."""
+    from slimopt.train import compare
+
+    def broken(results, path) -> None:
+        raise RuntimeError("no display backend")
+
+    monkeypatch.setattr(compare, "plot_losses", broken)
+    out = tmp_path / "compare"
+    assert main(["compare", "--optimizers", "adamw", "--steps", "2", *run_args(workspace, out)]) == 0
+    captured = capsys.readouterr()
+    assert (out / "results.md").read_text() in captured.out and not (out / "losses.png").exists()
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: losses.png not written (RuntimeError: no display backend)"]
+    assert "results.md, results.json; one run directory" in captured.out
+
+
 def test_config_file_supplies_options(workspace: Path, tmp_path: Path) -> None:
     config = tmp_path / "run.toml"
     config.write_text('optimizer = "adamw4bit"\nsteps = 2\n')

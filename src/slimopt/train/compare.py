@@ -25,8 +25,9 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 def compare(
     configs: list[TrainConfig], out: Path, *, overwrite: bool = False, progress: bool = True
 ) -> list[dict[str, Any]]:
-    """Train each configuration, write ``results.json``, ``results.md`` and ``losses.png`` under
-    ``out``, print the table and return the summaries. A run interrupted by SIGINT ends the
+    """Train each configuration, write ``results.json`` and ``results.md`` under ``out``, print
+    the table, then plot ``losses.png`` (a plot that fails is one warning line on stderr, the
+    table kept) and return the summaries. A run interrupted by SIGINT ends the
     comparison (its summary is the last one returned) without writing the results.
 
     Everything is checked before anything on disk changes: ``out`` (``rundir.check_out``; an
@@ -63,9 +64,14 @@ def _train_each(configs: list[TrainConfig], out: Path, data: Data, progress: boo
     write_atomically(out / "results.json", json.dumps(results, indent=1))
     table = markdown_table(results)
     write_atomically(out / "results.md", table)
-    plot_losses(results, out / "losses.png")
     print(table)
-    print(f"results in {out}: results.md, results.json, losses.png; one run directory per optimizer")
+    files = "results.md, results.json"
+    try:  # the table is printed and saved already: a plot that fails costs only the plot
+        plot_losses(results, out / "losses.png")
+        files += ", losses.png"
+    except Exception as error:  # matplotlib fails in many ways; each is one line here
+        print(f"warning: losses.png not written ({type(error).__name__}: {error})", file=sys.stderr)
+    print(f"results in {out}: {files}; one run directory per optimizer")
     return results
 
 
