@@ -292,3 +292,41 @@ def test_the_links_of_pages_outside_the_site_lead_to_files() -> None:
         assert links, page
         missing = [link for link in links if "://" not in link and not (page.parent / link).exists()]
         assert missing == [], (page, missing)
+
+
+def test_every_public_class_renders_its_signature_with_its_defaults(tmp_path: Path) -> None:
+    """The API reference, built as CI builds it: every class of ``slimopt.__all__`` (an alias
+    under its own name) has a heading followed by its constructor's signature, each default
+    shown as the value it is (``betas=(0.9, 0.999)``, not the expression naming it)."""
+    import html
+    import inspect
+    import os
+    import subprocess
+    import sys
+
+    import slimopt
+
+    site = tmp_path / "site"
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)]
+    subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+    pages = [page.read_text() for page in (site / "reference").rglob("index.html")]
+    classes = {getattr(slimopt, name) for name in slimopt.__all__}
+    classes = {obj for obj in classes if inspect.isclass(obj)}
+    assert len(classes) >= 12
+    for cls in classes:
+        heading = re.compile(rf'id="slimopt\.(?:\w+\.)*{cls.__name__}"[^>]*>')
+        found = [(page, match.end()) for page in pages for match in heading.finditer(page)]
+        assert len(found) == 1, (cls.__name__, len(found))
+        page, start = found[0]
+        end = page.find('class="doc doc-heading"', start)
+        text = html.unescape(re.sub(r"<[^>]+>", "", page[start : end if end > 0 else None]))
+        # One line, as the formatter's wrapping of a long default undone.
+        text = re.sub(r"\s+", " ", text).replace("( ", "(").replace(", )", ")").replace(" )", ")")
+        assert f"{cls.__name__}(" in text, cls.__name__
+        for parameter in inspect.signature(cls.__init__).parameters.values():
+            if parameter.default is parameter.empty:
+                continue
+            value = re.escape(repr(parameter.default).replace("'", '"'))
+            shown = rf"\b{parameter.name}(: [^=]*)? = {value}"
+            assert re.search(shown, text), (cls.__name__, parameter.name)
