@@ -206,7 +206,7 @@ def test_the_optimizer_tables_bytes_are_measured() -> None:
     bytes per parameter of a 2048×2048 weight (with the ``states`` a row names), and the
     int8-basis figure, are state_nbytes'."""
     tables = [NAMED.findall(page.read_text()) for page in (README, ROOT / "docs" / "index.md")]
-    assert tables[0] == tables[1] and len(tables[0]) == 18
+    assert tables[0] == tables[1] and len(tables[0]) == 21
     for name, states, quoted, rank, note in tables[0]:
         cls = OPTIMIZERS[name].cls
         measured = bytes_per_param(states or None, int(rank) if rank else None, cls)
