@@ -202,3 +202,11 @@ def run_ranks(worker: Callable[..., None], args: tuple, world: int, out: Path, t
             if process.is_alive():
                 process.kill()
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(world)]
+
+
+@pytest.fixture
+def slices_of(monkeypatch: pytest.MonkeyPatch):
+    """Set the elements of a slice of rows an update goes through."""
+    from slimopt.codecs import slicing
+
+    return lambda numel: monkeypatch.setattr(slicing, "SLICE_NUMEL", numel)

@@ -5,7 +5,7 @@ generic tests run over is ``configurations.py``.)"""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -65,3 +65,32 @@ def step_on_gradients(params: Sequence[torch.Tensor], optimizer: torch.optim.Opt
         for param in params:
             param.grad = gradient(step, tuple(param.shape))
         optimizer.step()
+
+
+def steady_step_peak(
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    weights: str,
+    slice_numel: int,
+    size: int = 2048,
+) -> int:
+    """The temporary bytes of a second step (the state exists) of ``make_optimizer([weight])``
+    on a size×size bf16 weight (``weights``: "bf16" or "int8", an ``Int8Weight``) with a bf16
+    gradient, when updates go by slices of ``slice_numel`` elements."""
+    from slimopt.codecs import slicing
+    from slimopt.memory import LiveBytes
+    from slimopt.weight_formats import Int8Weight
+
+    previous, slicing.SLICE_NUMEL = slicing.SLICE_NUMEL, slice_numel
+    try:
+        torch.manual_seed(0)
+        value = torch.randn(size, size, dtype=torch.bfloat16)
+        weight = nn.Parameter(Int8Weight.from_float(value) if weights == "int8" else value)
+        optimizer = make_optimizer([weight])
+        weight.grad = torch.randn(size, size, dtype=torch.bfloat16)
+        optimizer.step()
+        tracker = LiveBytes()
+        with tracker:
+            optimizer.step()
+    finally:
+        slicing.SLICE_NUMEL = previous
+    return tracker.peak

@@ -7,7 +7,7 @@ import torch
 
 from slimopt import GaLoreAdafactor
 
-from .support import gradient, relative_error
+from .support import gradient, relative_error, steady_step_peak
 
 transformers_optimization = pytest.importorskip("transformers.optimization")
 
@@ -99,14 +99,6 @@ def test_float64_parameters_match_hugging_face_adafactor_in_float64(hyper) -> No
         assert relative_error(p.detach(), q.detach()) <= 1e-5
 
 
-@pytest.fixture
-def slices_of(monkeypatch: pytest.MonkeyPatch):
-    """Set the elements of a slice of rows an update goes through."""
-    from slimopt.codecs import slicing
-
-    return lambda numel: monkeypatch.setattr(slicing, "SLICE_NUMEL", numel)
-
-
 @pytest.mark.parametrize("hyper", [
     {"lr": None, "relative_step": True, "scale_parameter": True},
     {"lr": 1e-2, "relative_step": False, "scale_parameter": False, "weight_decay": 0.01},
@@ -128,27 +120,15 @@ def test_a_factored_matrix_by_slices_of_rows_matches_hugging_face(slices_of, hyp
 
 
 @pytest.mark.parametrize("weights", ["bf16", "int8"])
-def test_an_update_keeps_its_temporaries_to_a_slice(slices_of, weights) -> None:
+def test_an_update_keeps_its_temporaries_to_a_slice(weights) -> None:
     """One Adafactor step of a 2048×2048 matrix with a bf16 gradient (factored, no first
     moment): read whole, the fp32 gradient, its square, the update and the weights' fp32 values
     are matrices; by slices of 2^16 elements, a few slices' worth."""
-    from slimopt.memory import LiveBytes
-    from slimopt.weight_formats import Int8Weight
 
-    def update_workspace(slice_numel: int) -> int:
-        slices_of(slice_numel)
-        torch.manual_seed(0)
-        value = torch.randn(2048, 2048, dtype=torch.bfloat16)
-        weight = torch.nn.Parameter(Int8Weight.from_float(value) if weights == "int8" else value)
-        optimizer = GaLoreAdafactor([weight], lr=None, weight_decay=0.1, param_rounding="stochastic")
-        weight.grad = torch.randn(2048, 2048, dtype=torch.bfloat16)
-        optimizer.step()  # the statistics exist from here on
-        tracker = LiveBytes()
-        with tracker:
-            optimizer.step()
-        return tracker.peak
+    def make(params):
+        return GaLoreAdafactor(params, lr=None, weight_decay=0.1, param_rounding="stochastic")
 
-    whole, sliced = update_workspace(1 << 30), update_workspace(1 << 16)
+    whole, sliced = steady_step_peak(make, weights, 1 << 30), steady_step_peak(make, weights, 1 << 16)
     matrix_bytes, slice_bytes = 2048 * 2048 * 4, (1 << 16) * 4
     assert whole > 3 * matrix_bytes
     assert sliced < 8 * slice_bytes and sliced < whole / 10

@@ -11,6 +11,8 @@ import torch
 import slimopt
 from slimopt.rules import taco
 
+from .support import steady_step_peak
+
 
 def dense_direction(rows: torch.Tensor, signs: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """The m×n direction of ``column_top1``'s (rows, signs): the optimizer applies it with one
@@ -362,14 +364,6 @@ def test_the_taco_benchmark_measures_every_variant(tmp_path) -> None:
 # ------------------------------------------------------------------- by slices of rows
 
 
-@pytest.fixture
-def slices_of(monkeypatch: pytest.MonkeyPatch):
-    """Set the elements of a slice of rows an update goes through."""
-    from slimopt.codecs import slicing
-
-    return lambda numel: monkeypatch.setattr(slicing, "SLICE_NUMEL", numel)
-
-
 def test_column_extremes_by_slices_are_the_whole_columns(slices_of) -> None:
     """Ties included (small integers): the first row wins a tie, as one ``max`` over a column."""
     generator = torch.Generator().manual_seed(3)
@@ -413,28 +407,16 @@ def test_an_update_by_slices_of_rows_is_the_whole_matrix_update(slices_of, optio
 
 @pytest.mark.parametrize("weights", ["bf16", "int8"])
 @pytest.mark.parametrize("k", [0, 16])
-def test_an_update_keeps_its_temporaries_to_a_slice(slices_of, weights, k) -> None:
+def test_an_update_keeps_its_temporaries_to_a_slice(weights, k) -> None:
     """One TACO step of a 2048×2048 matrix with a bf16 gradient: read whole, its fp32 copy and
     the weights' fp32 values are matrices; by slices of 2^16 elements, a few slices' worth, and
     with a sketch what merging its k×n slots takes (int64 rows and scores of 3k candidates, a
     2k×k×n comparison: under 160 bytes a slot), whatever the slice."""
-    from slimopt.memory import LiveBytes
-    from slimopt.weight_formats import Int8Weight
 
-    def update_workspace(slice_numel: int) -> int:
-        slices_of(slice_numel)
-        torch.manual_seed(0)
-        value = torch.randn(2048, 2048, dtype=torch.bfloat16)
-        weight = torch.nn.Parameter(Int8Weight.from_float(value) if weights == "int8" else value)
-        optimizer = slimopt.TACO([weight], lr=1e-3, k=k, weight_decay=0.1, param_rounding="stochastic")
-        weight.grad = torch.randn(2048, 2048, dtype=torch.bfloat16)
-        optimizer.step()  # the sketch exists from here on
-        tracker = LiveBytes()
-        with tracker:
-            optimizer.step()
-        return tracker.peak
+    def make(params):
+        return slimopt.TACO(params, lr=1e-3, k=k, weight_decay=0.1, param_rounding="stochastic")
 
-    whole, sliced = update_workspace(1 << 30), update_workspace(1 << 16)
+    whole, sliced = steady_step_peak(make, weights, 1 << 30), steady_step_peak(make, weights, 1 << 16)
     matrix_bytes, slice_bytes = 2048 * 2048 * 4, (1 << 16) * 4
     assert whole > 3 * matrix_bytes
     assert sliced < 8 * slice_bytes + 160 * k * 2048 and sliced < whole / 10
