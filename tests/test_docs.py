@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.processes import free_port
-from slimopt import GaLoreAdamW, state_nbytes
+from benchmarks.state_bytes import bytes_per_param
 from slimopt.cli import build_parser, join_negative_values, main, make_config, resolve_options
 from slimopt.registry import OPTIMIZERS
 
@@ -174,15 +174,6 @@ def test_quoted_output_is_what_the_command_prints(page: str, words: list[str], q
 
 STORAGE = ROOT / "docs" / "storage.md"
 ROW = re.compile(r"^\| (fp32|bf16|int8|int4|ternary|int4/ternary) \| ([\d.]+) \| ([\d.]+) \|$", re.MULTILINE)
-
-
-def bytes_per_param(states: str | None, rank: int | None, cls: type = GaLoreAdamW, **options) -> float:
-    weight = torch.zeros(2048, 2048, requires_grad=True)
-    group = {"params": [weight]} if rank is None else {"params": [weight], "rank": rank}
-    optimizer = cls([group], lr=1e-3, **({} if states is None else {"states": states}), **options)
-    weight.grad = torch.randn(2048, 2048, generator=torch.Generator().manual_seed(0))
-    optimizer.step()
-    return state_nbytes(optimizer) / weight.numel()
 
 
 def test_bytes_per_parameter_table_matches_state_nbytes() -> None:
