@@ -34,12 +34,12 @@ def sliced(shape: torch.Size) -> bool:
     return len(shape) >= 2 and shape.numel() > SLICE_NUMEL
 
 
-def row_slices(rows: int, cols: int) -> list[slice]:
-    """Consecutive row ranges of at most ``SLICE_NUMEL`` elements each (at least one row),
-    except that a last range under ``MIN_COMPRESSED_NUMEL`` elements joins the one before it:
-    alone it would be stored fp32 (as any small moment is) and cost the matrix its storage
-    format (a 2049×2048 matrix's bf16 moments became fp32, 8 bytes per parameter)."""
-    step = max(1, SLICE_NUMEL // max(cols, 1))
+def row_slices(rows: int, cols: int, numel: int | None = None) -> list[slice]:
+    """Consecutive row ranges of at most ``numel`` elements each (default ``SLICE_NUMEL``; at
+    least one row), except that a last range under ``MIN_COMPRESSED_NUMEL`` elements joins the
+    one before it: alone it would be stored fp32 (as any small moment is) and cost the matrix
+    its storage format (a 2049×2048 matrix's bf16 moments became fp32, 8 bytes per parameter)."""
+    step = max(1, (numel or SLICE_NUMEL) // max(cols, 1))
     if 0 < rows <= step:
         return [slice(0, rows)]
     starts = list(range(0, rows, step))

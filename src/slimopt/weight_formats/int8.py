@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 from torch.utils._pytree import tree_map
 
 from slimopt.codecs.draws import floor_stochastically_
+from slimopt.codecs.slicing import row_slices
 
 CODE_MAX = 127
 # Why several processes cannot share int8 weights, and the way out: DDP broadcasts and buckets
@@ -175,10 +176,8 @@ MATMUL_NUMEL = 1 << 25
 
 def matmul_slices(weight: Tensor) -> list[slice]:
     """The slices of rows of ``weight`` its matmuls dequantize at a time (one for a weight of
-    at most ``MATMUL_NUMEL`` elements)."""
-    rows, cols = weight.shape
-    step = rows if weight.numel() <= MATMUL_NUMEL else max(1, MATMUL_NUMEL // max(cols, 1))
-    return [slice(start, min(start + step, rows)) for start in range(0, max(rows, 1), step)]
+    at most ``MATMUL_NUMEL`` elements): ``row_slices`` of that size."""
+    return row_slices(*weight.shape, numel=MATMUL_NUMEL)
 
 
 class _Linear(torch.autograd.Function):
