@@ -285,35 +285,52 @@ def test_the_links_of_pages_outside_the_site_lead_to_files() -> None:
         assert missing == [], (page, missing)
 
 
-def test_every_public_class_renders_its_signature_with_its_defaults(tmp_path: Path) -> None:
-    """The API reference, built as CI builds it: every class of ``slimopt.__all__`` (an alias
-    under its own name) has a heading followed by its constructor's signature, each default
-    shown as the value it is (``betas=(0.9, 0.999)``, not the expression naming it)."""
-    import html
-    import inspect
+@pytest.fixture(scope="module")
+def reference_pages(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The API reference's pages, built as CI builds the site (strict)."""
     import os
     import subprocess
     import sys
 
-    import slimopt
-
-    site = tmp_path / "site"
+    site = tmp_path_factory.mktemp("site")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)]
     subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
-    pages = [page.read_text() for page in (site / "reference").rglob("index.html")]
+    return [page.read_text() for page in (site / "reference").rglob("index.html")]
+
+
+def _rendered(pages: list[str], identifier: str) -> str:
+    """The text of object ``identifier``'s entry (documented once), up to the next entry's
+    heading, as one line: the formatter's wrapping undone."""
+    import html
+
+    heading = re.compile(rf'id="{re.escape(identifier)}"[^>]*>')
+    found = [(page, match.end()) for page in pages for match in heading.finditer(page)]
+    assert len(found) == 1, (identifier, len(found))
+    page, start = found[0]
+    end = page.find('class="doc doc-heading"', start)
+    text = html.unescape(re.sub(r"<[^>]+>", "", page[start : end if end > 0 else None]))
+    return re.sub(r"\s+", " ", text).replace("( ", "(").replace(", )", ")").replace(" )", ")")
+
+
+def test_every_public_class_renders_its_signature_with_its_defaults(reference_pages: list[str]) -> None:
+    """Every class of ``slimopt.__all__`` (an alias under its own name) has a heading followed by
+    its constructor's signature, each default shown as the value it is (``betas=(0.9, 0.999)``,
+    not the expression naming it); an optimizer's entry explains every constructor parameter
+    and lists every option with the class's default."""
+    import inspect
+
+    import slimopt
+    from slimopt.options import OPTIONS
+
     classes = {getattr(slimopt, name) for name in slimopt.__all__}
     classes = {obj for obj in classes if inspect.isclass(obj)}
     assert len(classes) >= 12
     for cls in classes:
-        heading = re.compile(rf'id="slimopt\.(?:\w+\.)*{cls.__name__}"[^>]*>')
-        found = [(page, match.end()) for page in pages for match in heading.finditer(page)]
-        assert len(found) == 1, (cls.__name__, len(found))
-        page, start = found[0]
-        end = page.find('class="doc doc-heading"', start)
-        text = html.unescape(re.sub(r"<[^>]+>", "", page[start : end if end > 0 else None]))
-        # One line, as the formatter's wrapping of a long default undone.
-        text = re.sub(r"\s+", " ", text).replace("( ", "(").replace(", )", ")").replace(" )", ")")
+        heading = re.compile(rf'id="(slimopt\.(?:\w+\.)*{cls.__name__})"')
+        identifiers = {match[1] for page in reference_pages for match in heading.finditer(page)}
+        assert len(identifiers) == 1, (cls.__name__, identifiers)
+        text = _rendered(reference_pages, identifiers.pop())
         assert f"{cls.__name__}(" in text, cls.__name__
         for parameter in inspect.signature(cls.__init__).parameters.values():
             if parameter.default is parameter.empty:
@@ -321,3 +338,75 @@ def test_every_public_class_renders_its_signature_with_its_defaults(tmp_path: Pa
             value = re.escape(repr(parameter.default).replace("'", '"'))
             shown = rf"\b{parameter.name}(: [^=]*)? = {value}"
             assert re.search(shown, text), (cls.__name__, parameter.name)
+        if issubclass(cls, slimopt.SlimoptOptimizer) and cls is not slimopt.SlimoptOptimizer:
+            arguments = text[text.index("Parameters:") : text.index("Other Parameters:")]
+            for name in list(inspect.signature(cls.__init__).parameters)[1:]:
+                assert re.search(rf"\b{name} \(", arguments), (cls.__name__, name)
+            options = text[text.index("Other Parameters:") : text.index("Raises:")]
+            for option in OPTIONS:
+                default = cls.option_defaults()[option.name]
+                assert f"{option.name} (" in options, (cls.__name__, option.name)
+                assert f"Default: {'None' if default is None else repr(default)}." in options
+
+
+# The public entry points, each with its Parameters, Returns (where it returns something) and
+# Raises (where it refuses input) sections.
+ENTRY_POINTS = (
+    "slimopt.build_optimizer",
+    "slimopt.available_optimizers",
+    "slimopt.select_target_modules",
+    "slimopt.layerwise.layerwise",
+    "slimopt.planner.plan_memory",
+    "slimopt.planner.measure_memory",
+    "slimopt.quantize_weights",
+    "slimopt.export_weights",
+    "slimopt.weight_formats.dequantized_state_dict",
+    "slimopt.weight_formats.weight_dtype",
+    "slimopt.weight_formats.optimizer_options",
+    "slimopt.describe.describe",
+    "slimopt.decoded_state",
+    "slimopt.state_nbytes",
+    "slimopt.SlimoptOptimizer.step",
+    "slimopt.SlimoptOptimizer.state_dict",
+    "slimopt.SlimoptOptimizer.load_state_dict",
+    "slimopt.SlimoptOptimizer.decoded_state",
+    "slimopt.integrations.transformers.SlimoptTrainer",
+    "slimopt.integrations.transformers.create_optimizer",
+    "slimopt.integrations.transformers.optimizer_cls_and_kwargs",
+    "slimopt.distributed.checkpoint.save",
+    "slimopt.distributed.checkpoint.load",
+    "slimopt.distributed.checkpoint.export_model",
+    "slimopt.distributed.grad_sync.sync_gradients",
+    "slimopt.distributed.spread_refreshes",
+    "slimopt.distributed.zero_redundancy_optimizer",
+)
+
+
+@pytest.mark.parametrize("identifier", ENTRY_POINTS)
+def test_every_entry_point_documents_its_arguments_result_and_errors(
+    reference_pages: list[str], identifier: str
+) -> None:
+    """Each argument of the signature is in the entry's Parameters list; a function that returns
+    something has a Returns section, one whose source raises has a Raises section."""
+    import importlib
+    import inspect
+
+    module_name, _, name = identifier.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), name)
+    except ModuleNotFoundError:  # a method: module.Class.method
+        owner, _, cls_name = module_name.rpartition(".")
+        obj = getattr(getattr(importlib.import_module(owner), cls_name), name)
+    function = obj.__init__ if inspect.isclass(obj) else obj
+    text = _rendered(reference_pages, identifier)
+    signature = inspect.signature(function)
+    names = [n for n in signature.parameters if n != "self"]
+    if names:
+        listed = text[text.index("Parameters:") :]
+        for parameter in names:
+            assert re.search(rf"\b{parameter} \(", listed), (identifier, parameter)
+    source = inspect.getsource(inspect.unwrap(function))
+    if signature.return_annotation not in (None, "None") and not inspect.isclass(obj):
+        assert "Returns:" in text, identifier
+    if re.search(r"^\s+raise \w+", source, re.MULTILINE):
+        assert "Raises:" in text, identifier

@@ -195,5 +195,19 @@ def test_each_optimizer_documents_every_option_with_its_own_default(name) -> Non
     cls = OPTIMIZERS[name].cls
     group = cls([torch.zeros(4, 4, requires_grad=True)]).param_groups[0]
     for option in OPTIONS:
-        shown = "none" if group[option.name] is None else repr(group[option.name])
-        assert f"- ``{option.name}`` ({option.type.__name__}, default {shown}): {option.help}" in cls.__doc__
+        shown = "None" if group[option.name] is None else repr(group[option.name])
+        assert f"    {option.name} ({option.type.__name__}): {option.help}. Default: {shown}." in cls.__doc__
+
+
+def test_an_optimizer_constructor_parameter_without_help_text_is_refused() -> None:
+    """A new constructor parameter must be explained (by the shell or its rule) before the class
+    exists: the reference would otherwise list it blank."""
+    from slimopt import GaLoreAdamW
+
+    with pytest.raises(TypeError, match="'gamma' has no help text"):
+
+        class Documented(GaLoreAdamW):
+            """AdamW with one more hyperparameter."""
+
+            def __init__(self, params, lr=1e-3, gamma=0.5, **options) -> None:
+                super().__init__(params, lr, **options)

@@ -29,9 +29,23 @@ def _side(param: Tensor, group: dict) -> str:
 
 
 def describe(optimizer: SlimoptOptimizer, model: nn.Module | None = None, *, parameters: bool = True) -> str:
-    """A plain-text summary of ``optimizer``: per param group its settings, state bytes (0
-    before the first step creates the state) and update path, then (with ``parameters``) each
-    parameter, named from ``model`` where given, with its shape and, if projected, its basis."""
+    """A plain-text summary of ``optimizer``, as ``slimopt describe`` prints it.
+
+    Per param group: its settings, state bytes (0 before the first step creates the state) and
+    update path (fused or reference, and why); then, with ``parameters``, each parameter with its
+    shape and, if projected, its basis.
+
+    Args:
+        optimizer: a slimopt optimizer.
+        model: names the parameters (None: numbered).
+        parameters: list each parameter after its group.
+
+    Returns:
+        The summary, one line per group and parameter.
+
+    Raises:
+        TypeError: an optimizer that is not slimopt's.
+    """
     if not isinstance(optimizer, SlimoptOptimizer):
         raise TypeError(f"describe takes a slimopt optimizer, got {type(optimizer).__name__}")
     names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}

@@ -323,18 +323,34 @@ def layerwise(
     scheduler: Any = None,
     refresh_from: str = "step",
 ) -> LayerwiseHandle:
-    """Switch a slimopt optimizer to layer-wise updates and return the handle.
+    """Switch a slimopt optimizer to layer-wise updates: each parameter steps inside backward.
 
-    ``accumulation_steps`` micro-batches (one ``loss.backward()`` each) make one optimizer step;
-    ``max_grad_norm`` clips each tensor's gradient (see the module docstring); ``scheduler``, an
-    ``LRScheduler`` of this optimizer, is stepped once per optimizer step; ``refresh_from``
-    ("step" or "micro_batch") is the gradient a projection refresh is computed from: the whole
-    step's, as without layer-wise mode, or the step's first micro-batch's, so that no projected
-    gradient is ever kept whole. While the handle is active ``optimizer.step()`` only ends a
-    half-accumulated step early. Raises ``TypeError`` for an optimizer that is not slimopt's or
-    a scheduler that needs a metric, ``ValueError`` for a bad count, norm, scheduler or
-    ``refresh_from``, and ``RuntimeError`` when the optimizer is already layer-wise or, in a
-    multi-process run, holds parameters that FSDP2 does not split (DDP's, replicated ones).
+    After this call the training loop only calls ``loss.backward()``, once per micro-batch; every
+    parameter is updated, and its gradient freed, as soon as its last micro-batch's gradient is
+    accumulated. While the handle is active ``optimizer.step()`` only ends a half-accumulated
+    step early. The [layer-wise guide](../layerwise.md) explains accumulation, clipping and
+    multi-process runs.
+
+    Args:
+        optimizer: the slimopt optimizer whose parameters are hooked.
+        accumulation_steps: micro-batches (one ``loss.backward()`` each) per optimizer step.
+        max_grad_norm: clip each tensor's gradient to this norm on its own (the global norm is not
+            known until backward ends); None: no clipping.
+        scheduler: an ``LRScheduler`` of this optimizer, stepped once per optimizer step.
+        refresh_from: the gradient a projection refresh is computed from: ``"step"`` (the whole
+            step's, as without layer-wise mode) or ``"micro_batch"`` (the step's first
+            micro-batch's, so that no projected gradient is ever kept whole).
+
+    Returns:
+        The [LayerwiseHandle][slimopt.layerwise.LayerwiseHandle]; ``remove()`` it, or leave its
+        ``with`` block, to step normally again.
+
+    Raises:
+        TypeError: an optimizer that is not slimopt's, or a scheduler that needs a metric
+            (``ReduceLROnPlateau``).
+        ValueError: a bad count, norm, scheduler or ``refresh_from``.
+        RuntimeError: the optimizer is already layer-wise or, in a multi-process run, holds
+            parameters that FSDP2 does not split (DDP's, replicated ones).
     """
     if not isinstance(optimizer, SlimoptOptimizer):
         raise TypeError(

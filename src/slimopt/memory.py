@@ -40,9 +40,18 @@ def state_tensors(optimizer: Optimizer) -> list[Tensor]:
 
 
 def state_nbytes(optimizer: Optimizer) -> int:
-    """Return the bytes of every tensor in ``optimizer.state``: moments or their codes, scales,
-    factored statistics and projection bases (padding of the last quantization block included).
-    Step counters and other Python numbers are not counted."""
+    """The bytes of every tensor in ``optimizer.state``.
+
+    Moments or their codes, scales, factored statistics and projection bases are counted, the
+    padding of the last quantization block included; step counters and other Python numbers are
+    not. Any ``torch.optim`` optimizer is measured the same way.
+
+    Args:
+        optimizer: the optimizer, after its first step (before it, the state is empty).
+
+    Returns:
+        The bytes.
+    """
     return sum(value.numel() * value.element_size() for value in state_tensors(optimizer))
 
 

@@ -287,7 +287,17 @@ AdamW8bit = GaLoreAdamW8bit
 
 
 def decoded_state(optimizer: SlimoptOptimizer, param: Tensor) -> dict[str, Tensor]:
-    """The fp32 moments of ``param`` in ``optimizer``, whatever their storage format: in the
-    parameter's shape, or a projected matrix's rank-r space (see
-    ``SlimoptOptimizer.decoded_state``)."""
+    """The fp32 moments of ``param`` in ``optimizer``, whatever their storage format.
+
+    Args:
+        optimizer: a slimopt optimizer.
+        param: one of its parameters.
+
+    Returns:
+        Each moment by state key: in the parameter's shape, or a projected matrix's rank-r space
+        (see [SlimoptOptimizer.decoded_state][slimopt.SlimoptOptimizer.decoded_state]).
+
+    Raises:
+        KeyError: a tensor that is not a parameter of ``optimizer``.
+    """
     return optimizer.decoded_state(param)

@@ -172,24 +172,6 @@ STORAGE_KEYS = tuple(o.name for o in OPTIONS if o.on_load == "storage")
 OWN_KEYS = tuple(o.name for o in OPTIONS if o.on_load == "own")
 
 
-def options_section(defaults: dict[str, Any]) -> str:
-    """The options part of an optimizer class's docstring, from the table: each option's name,
-    type, default (``defaults``: the class's own) and meaning."""
-
-    def shown(option: Option) -> str:
-        value = defaults[option.name]
-        return "none" if value is None else repr(value)
-
-    lines = [
-        "Options, per param group or as keyword defaults of the constructor (the same names are",
-        "``slimopt train`` flags): ``rank`` (int) makes a group projected, its parameters with two or",
-        "more dimensions in a rank-``rank`` subspace; without it the group is the plain rule.",
-        "",
-    ]
-    lines += [f"- ``{o.name}`` ({o.type.__name__}, default {shown(o)}): {o.help}" for o in OPTIONS]
-    return "\n".join(lines)
-
-
 def parse_option(key: str, text: str, kind: type | None = None) -> Any:
     """The value of optimizer option ``key`` written as ``text``, read as ``kind`` (None: its
     type in ``OPTION_TYPES``): the one reading of option text, for the command line's flags and

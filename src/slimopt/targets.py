@@ -59,17 +59,26 @@ def expert_weights(module: nn.Module) -> dict[str, Tensor]:
 
 
 def select_target_modules(model: nn.Module, target_modules: str | list[str] | None = None) -> list[str]:
-    """Return the names of the modules whose weights ``target_modules`` selects for projection:
-    linear layers (``nn.Linear``, transformers' ``Conv1D``) and modules of stacked expert weights
-    (``expert_weights``: each expert is projected as its own matrix).
+    """The names of the modules whose weights ``target_modules`` selects for projection.
 
-    ``None``: every linear layer except the output head (the attention and MLP projections of a
-    transformer) and every experts module. ``"all-linear"``: every linear layer and experts
-    module. A string: a regular expression that must match a module name in full. A list: module
-    names, substrings of names, or full-match regexes.
-    Raises ``ValueError`` when nothing is selected, or when an explicit selection names a module
-    with weights of 3 or more dimensions that are neither a convolution's nor stacked experts':
-    slimopt does not know their layout and would not flatten them silently.
+    Candidates are linear layers (``nn.Linear``, transformers' ``Conv1D``) and modules of stacked
+    expert weights (``expert_weights``: each expert is projected as its own matrix).
+
+    Args:
+        model: the model to select from.
+        target_modules: None: every linear layer except the output head (the attention and MLP
+            projections of a transformer) and every experts module. ``"all-linear"``: every
+            linear layer and experts module. A string: a regular expression that must match a
+            module name in full. A list: module names, substrings of names, or full-match
+            regexes.
+
+    Returns:
+        The selected modules' names, as ``model.named_modules()`` gives them.
+
+    Raises:
+        ValueError: nothing is selected, or an explicit selection names a module with weights of
+            3 or more dimensions that are neither a convolution's nor stacked experts' (slimopt
+            does not know their layout and would not flatten them silently).
     """
     linears = linear_layers(model)
     experts = [name for name, module in model.named_modules() if expert_weights(module)]

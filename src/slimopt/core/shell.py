@@ -11,6 +11,7 @@ the plain rule. All arithmetic is fp32 whatever the parameter dtype.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -19,6 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from slimopt.core import loading
+from slimopt.core.docstrings import optimizer_sections
 from slimopt.core.engine import Engine
 from slimopt.core.hyperparameters import constructor_defaults, fill_rule_defaults
 from slimopt.core.plan import path_of
@@ -26,7 +28,6 @@ from slimopt.options import (
     PROJECTION_DEFAULTS,
     STORAGE_DEFAULTS,
     group_errors,
-    options_section,
     sharding_errors,
 )
 from slimopt.rules import RULES, UpdateRule
@@ -65,11 +66,11 @@ class SlimoptOptimizer(Optimizer):
         super().__init__(params, {**defaults, "rule": None, **self.option_defaults(), **options})
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A documented subclass's docstring ends with its options, from the one table
-        (``slimopt.options.OPTIONS``), with the subclass's own defaults."""
+        """A documented subclass's docstring ends with its arguments and options
+        (``slimopt.core.docstrings``), with the subclass's own defaults."""
         super().__init_subclass__(**kwargs)
         if cls.__doc__:
-            cls.__doc__ = cls.__doc__.rstrip() + "\n\n" + options_section(cls.option_defaults())
+            cls.__doc__ = inspect.cleandoc(cls.__doc__) + "\n\n" + optimizer_sections(cls)
 
     @classmethod
     def option_defaults(cls) -> dict[str, Any]:
@@ -145,11 +146,17 @@ class SlimoptOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Take one optimization step; ``closure`` re-evaluates the loss and returns it.
+        """Take one optimization step.
 
-        In layer-wise mode the updates run inside backward: a step pre-hook of the layer-wise
-        handle ends a half-accumulated optimizer step early, and refuses a closure (see
-        ``slimopt.layerwise``)."""
+        In layer-wise mode the updates run inside backward: a step pre-hook of the layer-wise handle
+        ends a half-accumulated optimizer step early, and refuses a closure.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional, as in torch.optim).
+
+        Returns:
+            The closure's loss, or None.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -165,20 +172,34 @@ class SlimoptOptimizer(Optimizer):
         super().zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """The ``torch.optim`` state dict (a layer-wise handle's pre-hook refuses one halfway
-        through an accumulation, whose partial sums it could not hold)."""
+        """The ``torch.optim`` state dict of this optimizer.
+
+        Returns:
+            ``state`` (each parameter's moments, bases and counters, by parameter index) and
+            ``param_groups``, as ``torch.optim.Optimizer.state_dict`` has them.
+
+        Raises:
+            RuntimeError: halfway through a layer-wise accumulation, whose partial sums it could not
+                hold (save between optimizer steps).
+        """
         self.engine.settle_skips()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of this optimizer, of one with another storage format, or of
-        ``torch.optim.AdamW`` (see ``slimopt.core.loading``); moments keep this optimizer's storage.
+        """Load a state dict of this optimizer, of one storing moments otherwise, or of AdamW's.
 
-        Raises ``ValueError`` when the state dict projects differently, comes from another
-        update rule, or holds hyperparameters this optimizer rejects, and between a backward
-        that synchronized projections (``slimopt.distributed.sync_gradients``) and its step.
-        Every state tensor keeps its saved dtype: ``torch.optim.Optimizer`` would cast fp32
-        moments and bases of bf16 parameters to bf16 and break exact resumption.
+        AdamW's is ``torch.optim.AdamW``'s. Moments keep this optimizer's storage (re-encoded
+        where the saved format differs). Every state tensor keeps its saved dtype:
+        ``torch.optim.Optimizer`` would cast fp32 moments and bases of bf16 parameters to bf16
+        and break exact resumption.
+
+        Args:
+            state_dict: from ``state_dict()`` of this optimizer or a compatible one.
+
+        Raises:
+            ValueError: the state dict projects differently, comes from another update rule, or holds
+                hyperparameters this optimizer rejects; or it is loaded between a backward that
+                synchronized projections (``slimopt.distributed.sync_gradients``) and its step.
         """
         if self.engine.packed_gradients.unread:
             raise ValueError(
@@ -201,10 +222,17 @@ class SlimoptOptimizer(Optimizer):
     def decoded_state(self, param: Tensor) -> dict[str, Tensor]:
         """The fp32 value of every moment of ``param``, whatever its storage format.
 
-        Unprojected moments have the parameter's shape (its real pairs, ``shape + (2,)``, for a
-        complex parameter); a projected matrix's are in its rank-r space (``projected_shape``).
-        Adafactor's factored statistics are returned as stored. Empty before the parameter's
-        first update; raises ``KeyError`` for a tensor that is not a parameter of this optimizer.
+        Args:
+            param: a parameter of this optimizer.
+
+        Returns:
+            Each moment by state key (``exp_avg``, ``exp_avg_sq``, …). Unprojected moments have the
+            parameter's shape (its real pairs, ``shape + (2,)``, for a complex parameter); a projected
+            matrix's are in its rank-r space (``projected_shape``). Adafactor's factored statistics
+            are as stored. Empty before the parameter's first update.
+
+        Raises:
+            KeyError: a tensor that is not a parameter of this optimizer.
         """
         return self.engine.decoded(param)
 

@@ -63,15 +63,22 @@ def strategy_error(
 
 
 def spread_refreshes(optimizer: Any, group: Any = None) -> None:
-    """Under DDP (every process holds the same averaged gradients), divide the projection
-    refreshes of a slimopt ``optimizer`` among the processes of ``group`` (default: all): the
-    i-th projected matrix's basis is computed by process i mod N and broadcast to the others.
-    The bases, and so the run, are bit-identical to every process computing them.
+    """Divide the projection refreshes of a slimopt optimizer among the processes of a DDP run.
 
-    Raises ``TypeError`` for an optimizer that is not slimopt's, ``RuntimeError`` outside a
-    process group, and ``ValueError`` for parameters FSDP2 splits (their refreshes are already
-    shared: each process sketches its own rows) and for int8 weights (they train in one
-    process)."""
+    Under DDP every process holds the same averaged gradients: the i-th projected matrix's basis is
+    computed by process i mod N and broadcast to the others. The bases, and so the run, are
+    bit-identical to every process computing them.
+
+    Args:
+        optimizer: a slimopt optimizer.
+        group: the process group (None: all processes).
+
+    Raises:
+        TypeError: an optimizer that is not slimopt's.
+        RuntimeError: no process group.
+        ValueError: parameters FSDP2 splits (their refreshes are already shared: each process
+            sketches its own rows), or int8 weights (they train in one process).
+    """
     from slimopt.optimizers import SlimoptOptimizer
 
     if not isinstance(optimizer, SlimoptOptimizer):
@@ -89,14 +96,26 @@ def spread_refreshes(optimizer: Any, group: Any = None) -> None:
 
 
 def zero_redundancy_optimizer(model: nn.Module, name: str, *, lr: float | None, **options: Any) -> Any:
-    """``torch.distributed.optim.ZeroRedundancyOptimizer`` over slimopt optimizer ``name``, with
-    the param groups ``slimopt.build_optimizer`` makes for ``model`` (same arguments). Each
-    process updates, and computes the bases of, only the parameters it owns; ZeRO broadcasts them.
-    Its ``load_state_dict`` goes through slimopt's loading (``slimopt.distributed.zero``).
+    """ZeRO-1: ``torch.distributed.optim.ZeroRedundancyOptimizer`` over slimopt optimizer ``name``.
 
-    Each process's optimizer is given every parameter's place in the whole model, so random
-    draws and refresh staggering do not depend on which process owns it. Raises what ``build_optimizer``
-    raises, and ``ValueError`` for int8 weights (they train in one process)."""
+    Its param groups are those [build_optimizer][slimopt.build_optimizer] makes for ``model``.
+    Each process updates, and computes the bases of, only the parameters it owns; ZeRO broadcasts
+    them. Each process's optimizer is given every parameter's place in the whole model, so random
+    draws and refresh staggering do not depend on which process owns it. Its ``load_state_dict``
+    goes through slimopt's loading.
+
+    Args:
+        model: the model (DDP's, or the module it wraps).
+        name: the optimizer, as for ``build_optimizer``.
+        lr: learning rate.
+        **options: as for ``build_optimizer``.
+
+    Returns:
+        The ZeRO-1 optimizer.
+
+    Raises:
+        ValueError: what ``build_optimizer`` raises, and int8 weights (they train in one process).
+    """
     from slimopt.distributed.zero import SlimoptZeroRedundancyOptimizer
     from slimopt.registry import OPTIMIZERS, build_optimizer, resolve_name
 

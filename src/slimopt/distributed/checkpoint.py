@@ -46,12 +46,23 @@ SHARD = "/shard "  # ``<key>/shard <i> of <n>``
 
 
 def save(directory: str | Path, model: nn.Module, optimizer: SlimoptOptimizer) -> Path:
-    """Write ``model`` and ``optimizer`` to the DCP checkpoint ``directory`` (every process of
-    the run calls this; they must share the file system) and return its path.
+    """Write ``model`` and ``optimizer`` to the distributed (DCP) checkpoint ``directory``.
 
-    Written into a hidden sibling directory and renamed into place once every process has
-    finished, so an interrupted save leaves no directory that looks complete and replaces
-    nothing. Raises ``TypeError`` for an optimizer that is not slimopt's."""
+    Every process of the run calls this; they must share the file system. The checkpoint is
+    written into a hidden sibling directory and renamed into place once every process has
+    finished, so an interrupted save leaves no directory that looks complete and replaces nothing.
+
+    Args:
+        directory: the checkpoint's directory.
+        model: the model (FSDP2's, DDP's or a plain one).
+        optimizer: its slimopt optimizer.
+
+    Returns:
+        The checkpoint's path.
+
+    Raises:
+        TypeError: an optimizer that is not slimopt's.
+    """
     _check_optimizer(optimizer)
     final = Path(directory)
     staging = final.parent / f".{final.name}.tmp"
@@ -78,13 +89,21 @@ def write(directory: str | Path, model: nn.Module, optimizer: SlimoptOptimizer) 
 
 
 def load(directory: str | Path, model: nn.Module, optimizer: SlimoptOptimizer | None = None) -> None:
-    """Load the DCP checkpoint ``directory`` into ``model`` and ``optimizer`` (every process of
-    the run calls this), whatever number of processes wrote it.
+    """Load the distributed (DCP) checkpoint ``directory`` into ``model`` and ``optimizer``.
 
-    The optimizer must be built as the saved one was (same groups, parameters, projection); its
-    storage formats may differ (moments are re-encoded). Raises ``ValueError`` naming what does
-    not match (a missing directory, other parameter names or shapes, other groups) before
-    anything is loaded."""
+    Every process of the run calls this, whatever number of processes wrote the checkpoint. The
+    optimizer must be built as the saved one was (same groups, parameters, projection); its
+    storage formats may differ (moments are re-encoded).
+
+    Args:
+        directory: a directory [save][slimopt.distributed.checkpoint.save] wrote.
+        model: the model, built and sharded as for training.
+        optimizer: its slimopt optimizer (None: the model alone).
+
+    Raises:
+        ValueError: what does not match (a missing directory, other parameter names or shapes,
+            other groups), named before anything is loaded.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         raise ValueError(f"no checkpoint directory {str(directory)!r}")
@@ -103,9 +122,21 @@ def load(directory: str | Path, model: nn.Module, optimizer: SlimoptOptimizer | 
 
 
 def export_model(directory: str | Path, file: str | Path) -> Path:
-    """Write the model of the DCP checkpoint ``directory`` as one safetensors file of whole
-    tensors, loadable without torch.distributed (``safetensors.torch.load_file`` or
-    ``load_model``), for inference or fine-tuning elsewhere. Runs in one process."""
+    """Write the model of a distributed (DCP) checkpoint as one safetensors file of whole tensors.
+
+    The file loads without torch.distributed (``safetensors.torch.load_file`` or
+    ``load_model``), for inference or fine-tuning elsewhere. Runs in one process.
+
+    Args:
+        directory: a directory [save][slimopt.distributed.checkpoint.save] wrote.
+        file: the safetensors file to write.
+
+    Returns:
+        The file's path.
+
+    Raises:
+        ValueError: ``directory`` is not a checkpoint directory.
+    """
     from safetensors.torch import save_file
 
     directory = Path(directory)

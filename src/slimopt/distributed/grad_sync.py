@@ -216,21 +216,31 @@ def _before_backward(engine: Any, param: Tensor) -> Callable[[Tensor], None]:
 
 
 def sync_gradients(model: nn.Module, optimizer: Any, mode: str = "auto", group: Any = None) -> GradientSync:
-    """Synchronize the gradients of ``model``, a ``DistributedDataParallel`` whose parameters
-    the slimopt ``optimizer`` updates (or ``zero_redundancy_optimizer``'s ZeRO-1 optimizer), by
-    slimopt's communication hook, and return its state (``GradientSync``: the bytes it sends).
+    """Synchronize a DDP model's gradients by slimopt's communication hook.
 
-    ``mode``: "projected" all-reduces the projections of GaLore-projected matrices between
-    their refreshes (exact up to the order of the sums; see the module docstring), "full" every
-    whole gradient as DDP does, "auto" projected where the optimizer projects gradients, else
-    full. Under ZeRO-1 projected sync makes every process keep every projected matrix's basis
-    (``SlimoptZeroRedundancyOptimizer.follow_bases``). ``group``: DDP's process group (default:
-    all processes). Call it on every process, once per model, before the first backward (DDP
-    takes one communication hook).
+    ``model`` is a ``DistributedDataParallel`` whose parameters the slimopt ``optimizer`` updates
+    (or [zero_redundancy_optimizer][slimopt.distributed.zero_redundancy_optimizer]'s ZeRO-1
+    optimizer). Call it on every process, once per model, before the first backward (DDP takes
+    one communication hook). Projected sync is exact up to the order of the sums; under ZeRO-1 it
+    makes every process keep every projected matrix's basis.
 
-    Raises ``TypeError`` for a model that is not DDP or an optimizer that is not slimopt's, and
-    ``ValueError`` for an unknown ``mode`` and for "projected" with an optimizer that needs
-    whole gradients (unprojected ones, APOLLO's scaling, TACO), naming why."""
+    Args:
+        model: the ``DistributedDataParallel`` model.
+        optimizer: its slimopt optimizer, or ZeRO-1 over one.
+        mode: ``"projected"`` all-reduces the projections of GaLore-projected matrices between
+            their refreshes, ``"full"`` every whole gradient as DDP does, ``"auto"`` projected
+            where the optimizer projects gradients, else full.
+        group: DDP's process group (None: all processes).
+
+    Returns:
+        The hook's state, a [GradientSync][slimopt.distributed.grad_sync.GradientSync]: the bytes
+        it sends.
+
+    Raises:
+        TypeError: a model that is not DDP, or an optimizer that is not slimopt's.
+        ValueError: an unknown ``mode``, or ``"projected"`` with an optimizer that needs whole
+            gradients (unprojected ones, APOLLO's scaling, TACO), naming why.
+    """
     from slimopt.distributed.zero import SlimoptZeroRedundancyOptimizer
     from slimopt.optimizers import SlimoptOptimizer
 

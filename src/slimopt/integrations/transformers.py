@@ -137,16 +137,25 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
 def create_optimizer(
     model: nn.Module, args: Any, name: str | None = None, *, rows_split: bool = False
 ) -> SlimoptOptimizer:
-    """The slimopt optimizer ``name`` (default: ``args.optim``) for ``model``, configured from
-    ``TrainingArguments`` ``args``.
+    """The slimopt optimizer ``name`` for ``model``, configured from ``TrainingArguments``.
 
-    ``name`` may carry the ``_layerwise`` suffix (the optimizer is the same; ``SlimoptTrainer``
-    adds the hooks). ``rows_split``: FSDP2 will split the weights by rows after the optimizer is
-    built (accelerate's ``prepare``), so a projecting optimizer keeps its basis on the unsplit
-    side (``proj_type="right"``) unless ``optim_args`` names one, as ``build_optimizer`` does
-    for weights already split. Raises ``ValueError`` for an unknown name, ``optim_args`` key or
-    value, or an ``optim_target_modules`` that matches nothing or is given to an optimizer that
-    does not project.
+    Args:
+        model: the model to train.
+        args: the ``TrainingArguments``: its ``learning_rate``, ``weight_decay``, ``adam_beta1``,
+            ``adam_beta2`` and ``adam_epsilon`` (of AdamW moments), ``optim_target_modules``
+            and ``optim_args`` (``"rank=128,states=int8"``) configure the optimizer.
+        name: an optimizer name (None: ``args.optim``); a ``_layerwise`` suffix names the same
+            optimizer (``SlimoptTrainer`` adds the hooks).
+        rows_split: FSDP2 will split the weights by rows after the optimizer is built
+            (accelerate's ``prepare``), so a projecting optimizer keeps its basis on the unsplit
+            side (``proj_type="right"``) unless ``optim_args`` names one.
+
+    Returns:
+        The optimizer, as [build_optimizer][slimopt.build_optimizer] makes it.
+
+    Raises:
+        ValueError: an unknown name, ``optim_args`` key or value, or an ``optim_target_modules``
+            that matches nothing or is given to an optimizer that does not project.
     """
     spelled = trainer_optimizer_name(args, name)
     base, _ = split_name(spelled)
@@ -197,15 +206,27 @@ class SlimoptFactory:
 
 
 def optimizer_cls_and_kwargs(name: str, *, lr: float, **options: Any) -> tuple[type, dict[str, Any]]:
-    """The pair for ``transformers.Trainer(optimizer_cls_and_kwargs=...)``, so that any Trainer,
-    TRL's ``SFTTrainer`` among them, trains with slimopt optimizer ``name`` (slimopt's or Hugging
-    Face's spelling) built for its model by ``build_optimizer(model, name, lr=lr, **options)``
-    (``rank``, ``states``, ``weight_decay``, …): transformers 5's Trainer calls such a factory
-    with the model. The Trainer's ``learning_rate`` does not reach it: give ``lr`` here (its
-    schedule then starts from it).
+    """The pair for ``transformers.Trainer(optimizer_cls_and_kwargs=...)``.
 
-    Raises ``ValueError`` for an unknown name, and for a ``_layerwise`` one (layer-wise updates
-    need ``SlimoptTrainer``, which clips and accumulates inside backward)."""
+    With it any Trainer, TRL's ``SFTTrainer`` among them, trains with slimopt optimizer ``name``,
+    built for its model by ``build_optimizer(model, name, lr=lr, **options)``: transformers 5's
+    Trainer calls such a factory with the model. The Trainer's ``learning_rate`` does not reach
+    it: give ``lr`` here (its schedule then starts from it).
+
+    Args:
+        name: a slimopt or Hugging Face optimizer name.
+        lr: the learning rate.
+        **options: go to [build_optimizer][slimopt.build_optimizer] (``rank``, ``states``,
+            ``weight_decay``, …).
+
+    Returns:
+        A factory class and its keyword arguments.
+
+    Raises:
+        ValueError: an unknown name, or a ``_layerwise`` one (layer-wise updates need
+            [SlimoptTrainer][slimopt.integrations.transformers.SlimoptTrainer], which clips and
+            accumulates inside backward).
+    """
     base, layer_wise = split_name(name)
     if layer_wise:
         raise ValueError(
@@ -216,12 +237,26 @@ def optimizer_cls_and_kwargs(name: str, *, lr: float, **options: Any) -> tuple[t
 
 
 class SlimoptTrainer(Trainer):
-    """``transformers.Trainer`` with a slimopt optimizer: ``SlimoptTrainer(model, args, ...,
-    optimizer_name="galore_adamw_ternary")``, or, without ``optimizer_name``, the one
-    ``args.optim`` names (``TrainingArguments(optim="galore_adamw_8bit")``: migrating from
-    ``Trainer`` is one line). Everything else is Trainer's. ``refresh_from`` is
-    ``slimopt.layerwise``'s option, for a ``_layerwise`` name. Raises ``ValueError`` for a name
-    without a slimopt counterpart."""
+    """``transformers.Trainer`` with a slimopt optimizer; everything else is Trainer's.
+
+    Migrating from ``Trainer`` is one line: ``SlimoptTrainer(model, args, ...)`` with
+    ``TrainingArguments(optim="galore_adamw_8bit", optim_target_modules=[...],
+    optim_args="rank=128,...")`` reads the optimizer as Trainer does, or ``optimizer_name``
+    names one of slimopt's. A name ending in ``_layerwise`` updates each parameter inside
+    backward ([layerwise][slimopt.layerwise.layerwise]), with the Trainer's gradient accumulation
+    and clipping. The [Hugging Face guide](../huggingface.md) has a full example.
+
+    Args:
+        *args: ``Trainer``'s positional arguments (``model``, ``args``, …).
+        optimizer_name: a slimopt or Hugging Face optimizer name (None: ``args.optim``).
+        refresh_from: layer-wise mode's option, for a ``_layerwise`` name: ``"step"`` or
+            ``"micro_batch"``.
+        **kwargs: ``Trainer``'s keyword arguments.
+
+    Raises:
+        ValueError: a name without a slimopt counterpart, or ``refresh_from`` without a
+            ``_layerwise`` name.
+    """
 
     def __init__(
         self, *args: Any, optimizer_name: str | None = None, refresh_from: str = "step", **kwargs: Any

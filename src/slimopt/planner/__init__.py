@@ -61,27 +61,47 @@ def plan_memory(
     progress: bool = False,
     **optimizer_options: Any,
 ) -> MemoryPlan:
-    """Predict the memory of training ``model`` with ``optimizer`` (a registry name).
+    """Predict the memory of training ``model`` with ``optimizer``, to the byte.
 
-    ``model`` is a LLaMA preset (``slimopt.models.LLAMA_PRESETS``) or a Hugging Face config
-    file or directory; ``dtype`` is how the weights are stored (``slimopt.weight_formats``:
-    "fp32", "bf16", "bf16+8" — bf16 and an 8-bit correction, which the optimizer keeps in its
-    state and the plan counts there — or
-    "int8" linear weights with the rest bf16); ``batch_size`` sequences
-    of ``seq_len`` tokens per micro-batch, ``accumulation_steps`` micro-batches per step;
-    ``vocab_size`` replaces the model's own vocabulary (None: a preset's, or a config file's);
-    ``refresh_from`` is ``slimopt.layerwise``'s option of that name. With ``distributed``
-    ("ddp", "zero1" or "fsdp2") the plan also holds, in ``per_process``, the step of the busiest
-    of ``processes`` processes (``slimopt.process_memory``), and ``fits`` judges that one;
-    under "ddp" and "zero1" ``grad_sync`` the bytes each process all-reduces per step for the
-    gradients, with full and with projected sync (``slimopt.distributed.grad_sync``; ``grad_sync``
-    is that option: under ZeRO-1, projected sync, or auto for a projecting optimizer, keeps every
-    basis on every process).
-    ``optimizer_options`` go to ``build_optimizer`` (``states``, ``update_proj_gap``, …). On a
-    real ``device`` the steps run for real and the plan is a measurement (see ``measure_memory``).
-    ``progress`` shows a bar of the micro-batches on stderr (a 7B plan takes seconds:
-    docs/results/memory.md).
-    Raises ``ValueError`` naming a bad model, optimizer, size, dtype or rank.
+    The planner runs two training steps on the meta device: every tensor a step creates is
+    counted and none is computed, so a 7B plan takes seconds ([measured against real
+    steps](../results/memory.md)). On a real ``device`` the steps run for real and the plan is a
+    measurement (see [measure_memory][slimopt.planner.measure_memory]).
+
+    Args:
+        model: a LLaMA preset (``slimopt.models.LLAMA_PRESETS``: ``"llama_7b"``, …) or a Hugging
+            Face config file or directory.
+        optimizer: a registry name ([available_optimizers][slimopt.available_optimizers]).
+        rank: the projection's rank (None: the optimizer's default).
+        layerwise: update each parameter inside backward ([layerwise][slimopt.layerwise.layerwise]).
+        refresh_from: layer-wise mode's option of that name: ``"step"`` or ``"micro_batch"``.
+        batch_size: sequences per micro-batch.
+        seq_len: tokens per sequence.
+        accumulation_steps: micro-batches per optimizer step.
+        checkpointing: activation checkpointing, as ``slimopt train --checkpointing``.
+        dtype: how the weights are stored: ``"fp32"``, ``"bf16"``, ``"bf16+8"`` (bf16 and an
+            8-bit correction, which the optimizer keeps in its state and the plan counts there),
+            ``"int8"`` (linear weights int8, the rest bf16), ``"int8-embed"`` (the input embedding
+            too) or ``"int8-all"`` (the output head too).
+        vocab_size: replaces the model's vocabulary size (None: a preset's, or a config file's).
+        gpu_memory_gib: a card's memory; the plan's ``fits`` says whether the peak and CUDA's own
+            overhead fit in it.
+        processes: processes of a multi-process run (with ``distributed``).
+        distributed: ``"ddp"``, ``"zero1"`` or ``"fsdp2"``: the plan then also holds, in
+            ``per_process``, the step of the busiest process, and ``fits`` judges that one.
+        grad_sync: under ``"ddp"`` and ``"zero1"``, how gradients are all-reduced (``"full"``,
+            ``"projected"``, ``"auto"``); ``plan.grad_sync`` holds the bytes per step of both.
+        device: ``"meta"`` to plan, a real device to measure.
+        progress: show a bar of the micro-batches on stderr.
+        **optimizer_options: go to [build_optimizer][slimopt.build_optimizer] (``states``,
+            ``update_proj_gap``, …).
+
+    Returns:
+        The [MemoryPlan][slimopt.planner.MemoryPlan]: the peak, the term (weights, gradients,
+        states, bases, activations, workspace) at the peak, and what outlives a step.
+
+    Raises:
+        ValueError: a bad model, optimizer, size, dtype or rank, naming it.
     """
     fields = {k: v for k, v in locals().items() if k not in ("device", "progress", "optimizer_options")}
     setting = PlanSetting.checked(**fields, options=optimizer_options)
@@ -91,10 +111,21 @@ def plan_memory(
 def measure_memory(model: str, optimizer: str, *, device: str = "cpu", **settings: Any) -> MemoryPlan:
     """Run the planner's two steps for real on ``device`` and report what they used.
 
-    Same arguments as :func:`plan_memory`. On CUDA ``cuda_max_memory_allocated`` holds the
-    allocator's own peak over the same steps. On the CPU the state codecs run as on a GPU, in
-    one piece per moment (``slimopt.codecs.slicing.as_on_a_gpu``), so that the measurement
-    checks the GPU's plan; a CPU training step goes through them in smaller pieces, and peaks
-    lower.
+    On CUDA ``cuda_max_memory_allocated`` holds the allocator's own peak over the same steps. On
+    the CPU the state codecs run as on a GPU, in one piece per moment
+    (``slimopt.codecs.slicing.as_on_a_gpu``), so that the measurement checks the GPU's plan; a CPU
+    training step goes through them in smaller pieces, and peaks lower.
+
+    Args:
+        model: as for [plan_memory][slimopt.planner.plan_memory].
+        optimizer: as for ``plan_memory``.
+        device: where the steps run: ``"cpu"``, ``"cuda"``, ….
+        **settings: the other arguments of ``plan_memory``.
+
+    Returns:
+        The measured [MemoryPlan][slimopt.planner.MemoryPlan] (``measured`` is True).
+
+    Raises:
+        ValueError: as ``plan_memory``.
     """
     return plan_memory(model, optimizer, device=device, **settings)

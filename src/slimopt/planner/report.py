@@ -27,24 +27,45 @@ CUDA_OVERHEAD_BYTES = 1 << 30
 
 @dataclass
 class MemoryPlan:
-    """A predicted (or measured) training step. Bytes throughout."""
+    """A predicted (or measured) training step. Bytes throughout.
+
+    Attributes:
+        setting: what was planned.
+        parameters: the model's parameter count.
+        peak_bytes: the largest count of live bytes over the planned steps.
+        peak_at: which step and phase holds the peak.
+        at_peak: each term (weights, gradients, states, bases, activations, workspace, …) at the
+            moment of the peak.
+        persistent: what outlives a step: weights, optimizer states, bases.
+        refresh_workspace_bytes: the largest temporary of one projection refresh.
+        update_workspace_bytes: the largest temporary of one parameter's update.
+        step_peaks: the peak of each planned step.
+        measured: whether the steps ran for real (``measure_memory``).
+        device: where they ran.
+        cuda_max_memory_allocated: on CUDA, the allocator's own peak.
+        gpu_memory_bytes: the card's memory, when given.
+        extra: further numbers of the run.
+        per_process: under ``distributed``, process 0's terms and peak.
+        grad_sync: under DDP and ZeRO-1, the bytes a process all-reduces per step, with full and
+            with projected sync.
+    """
 
     setting: PlanSetting
     parameters: int
     peak_bytes: int
-    peak_at: str  # which step and phase holds the peak
-    at_peak: dict[str, int]  # each term of TERMS at the moment of the peak
-    persistent: dict[str, int]  # what outlives a step: weights, optimizer states, bases
-    refresh_workspace_bytes: int  # largest temporary of one projection refresh
-    update_workspace_bytes: int  # largest temporary of one parameter's update
+    peak_at: str
+    at_peak: dict[str, int]
+    persistent: dict[str, int]
+    refresh_workspace_bytes: int
+    update_workspace_bytes: int
     step_peaks: list[int]
     measured: bool = False
     device: str = "meta"
     cuda_max_memory_allocated: int | None = None
     gpu_memory_bytes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    per_process: dict[str, int] | None = None  # process 0's terms and peak under ``distributed``
-    grad_sync: SyncBytes | None = None  # the bytes a process all-reduces per step, DDP and ZeRO-1
+    per_process: dict[str, int] | None = None
+    grad_sync: SyncBytes | None = None
 
     @property
     def fits(self) -> bool | None:

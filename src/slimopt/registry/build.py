@@ -36,24 +36,48 @@ def build_optimizer(
     target_modules: str | list[str] | None = None,
     **options: Any,
 ) -> SlimoptOptimizer:
-    """Optimizer ``name`` (slimopt's or Hugging Face's, see ``resolve_name``) configured for ``model``.
+    """Optimizer ``name`` configured for ``model``, its parameters in named param groups.
 
-    The param groups, each named by ``group["name"]``, in this order (empty ones left out):
-    ``"projected"`` (projecting optimizers only: the weights of the selected linear modules,
-    rank ``rank``, default ``default_rank`` of them, plus any projection ``options``),
-    ``"projected_transposed"`` (transformers ``Conv1D`` weights, stored in × out, when
-    ``proj_type`` names a side: they get the other one, so "left" is the output side of every
-    layer), ``"projected_experts"`` (a mixture of experts' stacked 3-D expert weights, with
-    ``experts=True``: each expert projected as its own matrix, out × in),
-    ``"unprojected"`` (every other matrix; its moments stored as ``unprojected_states`` says,
-    by default as ``states`` or, for APOLLO-Mini, int8) and ``"no_decay"`` (1-D parameters:
-    biases and norms, without weight decay). A rank at which projection saves no state warns.
-    Where FSDP2 has split the selected weights by rows and no ``proj_type`` is given, it is
-    ``"right"`` (the basis on the unsplit side; ``describe`` says why).
-    Remaining ``options`` (``weight_decay``, ``betas``, …) go to the optimizer class. Raises
-    ``ValueError`` for an unknown name, for projection options on an unprojected optimizer, for
-    a target selection that matches nothing, or for int8 weights that FSDP2 turned into plain
-    ones (``slimopt.weight_formats.lost_int8_weights``).
+    The groups, each named by ``group["name"]``, in this order (empty ones left out):
+
+    - ``"projected"`` (projecting optimizers only): the weights of the selected linear modules, at
+      rank ``rank``, with any projection ``options``;
+    - ``"projected_transposed"``: transformers ``Conv1D`` weights (stored in × out) when
+      ``proj_type`` names a side: they get the other one, so "left" is the output side of every
+      layer;
+    - ``"projected_experts"``: a mixture of experts' stacked 3-D expert weights, with
+      ``experts=True``, each expert projected as its own matrix (out × in);
+    - ``"unprojected"``: every other matrix, its moments stored as ``unprojected_states`` says;
+    - ``"no_decay"``: 1-D parameters (biases and norms), without weight decay.
+
+    A rank at which projection saves no state warns. Where FSDP2 has split the selected weights by
+    rows and no ``proj_type`` is given, it is ``"right"`` (the basis on the unsplit side;
+    [describe][slimopt.describe.describe] says why).
+
+    Args:
+        model: the model whose parameters the optimizer updates.
+        name: one of [available_optimizers][slimopt.available_optimizers], or a Hugging Face
+            ``optim`` name (``"galore_adamw_8bit"``, ``"adamw_torch"``, …) with Hugging Face's
+            defaults.
+        lr: learning rate (None only for Adafactor's relative step size).
+        rank: the projection's rank, for projecting optimizers only (None: the name's own, as
+            APOLLO-Mini's 1, or else a quarter of the smaller side most selected weights share,
+            as in the GaLore paper).
+        target_modules: which modules' weights are projected, as
+            [select_target_modules][slimopt.select_target_modules] reads it (None: every linear
+            layer but the output head).
+        **options: go to the optimizer class: its hyperparameters (``weight_decay``, ``betas``, …)
+            and options (``states``, ``update_proj_gap``, …), and ``unprojected_states``, the
+            storage of the ``"unprojected"`` group's moments (default: as ``states``, or int8 for
+            APOLLO-Mini).
+
+    Returns:
+        The optimizer, a [SlimoptOptimizer][slimopt.SlimoptOptimizer].
+
+    Raises:
+        ValueError: an unknown name, projection options on an optimizer that does not project, a
+            target selection that matches nothing, or int8 weights that FSDP2 turned into plain
+            ones.
     """
     lost = lost_int8_weights(model)
     if lost:
@@ -72,6 +96,19 @@ def build_optimizer(
         return _build_muon(name, model, lr=lr, rank=rank, target_modules=target_modules, **options)
     unprojected = _unprojected_states(name, options)
     rank, projection = _projection_asked(name, rank, target_modules, options)
+    groups = _named_groups(model, spec, rank, target_modules, projection, unprojected)
+    return spec.cls([g for g in groups if g["params"]], lr=lr, **options)
+
+
+def _named_groups(
+    model: nn.Module,
+    spec: OptimizerSpec,
+    rank: int | None,
+    target_modules: str | list[str] | None,
+    projection: dict[str, Any],
+    unprojected: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """``build_optimizer``'s param groups for ``model``, empty ones included, in its order."""
     # model.parameters() yields a tied parameter (an embedding shared with the output head) once.
     params = {id(p): p for p in model.parameters() if p.requires_grad}
     projected_ids: set[int] = set()
@@ -104,7 +141,7 @@ def build_optimizer(
         },
         {"name": "no_decay", "params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return spec.cls([g for g in groups if g["params"]], lr=lr, **options)
+    return groups
 
 
 def _unprojected_states(name: str, options: dict[str, Any]) -> dict[str, Any]:

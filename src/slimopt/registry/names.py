@@ -110,8 +110,13 @@ def hugging_face_defaults(name: str) -> dict[str, Any]:
 
 
 def available_optimizers() -> list[str]:
-    """Return slimopt's names for the optimizers ``build_optimizer`` accepts (it also takes the
-    Hugging Face names of ``HF_NAMES``)."""
+    """Slimopt's names of the optimizers [build_optimizer][slimopt.build_optimizer] accepts.
+
+    It also takes Hugging Face's ``optim`` names (``HF_NAMES``), with Hugging Face's defaults.
+
+    Returns:
+        The names, in the registry's order.
+    """
     return list(OPTIMIZERS)
 
 

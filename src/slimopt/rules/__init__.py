@@ -51,6 +51,8 @@ class UpdateRule(Protocol):
     # the rule's hyperparameters besides lr and weight_decay, with their defaults: a param group
     # whose ``rule`` is not its optimizer's own takes these, not the optimizer's
     defaults: dict[str, Any]
+    # what each of ``defaults`` means, one line each (the optimizers' docstrings show them)
+    help: dict[str, str]
 
     def validate(self, group: dict[str, Any]) -> list[str]:
         """Return one message per invalid hyperparameter of ``group`` (empty when valid)."""

@@ -102,6 +102,15 @@ class AdafactorRule:
         "relative_step": None,
         "warmup_init": False,
     }
+    help: ClassVar[dict[str, str]] = {
+        "eps": "(ε₁, ε₂): added to the squared gradient, and the smallest weight RMS scale_parameter uses",
+        "clip_threshold": "the largest root mean square of the update before it is scaled down",
+        "decay_rate": "exponent of the second moment's decay rate, 1 − step^decay_rate",
+        "beta1": "decay rate of a first moment (None: no first moment is kept)",
+        "scale_parameter": "scale the step size by the root mean square of the weights",
+        "relative_step": "a step size of min(1e-2, 1/√step) (None: exactly when lr is None)",
+        "warmup_init": "with relative_step, a step size of min(1e-6 · step, 1/√step)",
+    }
 
     def validate(self, group: dict[str, Any]) -> list[str]:
         errors = []

@@ -22,6 +22,11 @@ class AdamWRule:
     fused: ClassVar[str | None] = "adamw"
     # Hyperparameters of the rule besides lr and weight_decay, with torch.optim.AdamW's defaults.
     defaults: ClassVar[dict[str, Any]] = {"betas": (0.9, 0.999), "eps": 1e-8}
+    # What each of ``defaults`` means, for the optimizers' docstrings.
+    help: ClassVar[dict[str, str]] = {
+        "betas": "decay rates of the moving averages of the gradient and of its square",
+        "eps": "added to the square root of the second moment, for numerical stability",
+    }
 
     def validate(self, group: dict[str, Any]) -> list[str]:
         errors = betas_errors(group["betas"]) + required_lr_errors(group["lr"], "AdamW")

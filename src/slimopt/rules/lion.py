@@ -27,6 +27,9 @@ class LionRule:
     fused: ClassVar[str | None] = None
     # The paper's defaults (and bitsandbytes' and lion-pytorch's).
     defaults: ClassVar[dict[str, Any]] = {"betas": (0.9, 0.99)}
+    help: ClassVar[dict[str, str]] = {
+        "betas": "β₁ mixes moment and gradient for the update's sign, β₂ is the moment's decay rate",
+    }
 
     def validate(self, group: dict[str, Any]) -> list[str]:
         # β = 1 is meaningful here (β₁ = 1: the sign of the moment alone), unlike in Adam.

@@ -99,6 +99,16 @@ class MuonRule:
         # slimopt's: weights stored in × out (``Conv1D``), whose shape the adjustment reads reversed.
         "transposed": False,
     }
+    help: ClassVar[dict[str, str]] = {
+        "momentum": "decay rate of the momentum buffer",
+        "nesterov": "use Nesterov momentum",
+        "ns_coefficients": "coefficients of the quintic Newton–Schulz iteration",
+        "eps": "added to the momentum's norm before the iteration divides by it",
+        "ns_steps": "Newton–Schulz iterations per step",
+        "adjust_lr_fn": "how the step size follows a matrix's shape: None or 'original' "
+        "(√max(1, m/n)), 'match_rms_adamw' (0.2 √max(m, n))",
+        "transposed": "weights stored in × out (transformers' Conv1D), read as out × in",
+    }
 
     def validate(self, group: dict[str, Any]) -> list[str]:
         errors = required_lr_errors(group["lr"], "Muon") + number_error("eps", group["eps"], strict=True)

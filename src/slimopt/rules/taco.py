@@ -212,6 +212,13 @@ class TACORule:
     fused: ClassVar[str | None] = None
     # Hyperparameters of the rule besides lr and weight_decay.
     defaults: ClassVar[dict[str, Any]] = {**TACO_DEFAULTS, "transposed": False}
+    help: ClassVar[dict[str, str]] = {
+        "k": "slots per column of the gradient sketch (0: the current gradient alone)",
+        "beta": "decay rate of the gradient history",
+        "sketch_values": "how the sketch's values are stored: fp8 or fp32",
+        "history": "sketch, or dense (an fp32 moving average: the oracle)",
+        "transposed": "weights stored in × out (transformers' Conv1D), read as out × in",
+    }
 
     def validate(self, group: dict[str, Any]) -> list[str]:
         settings = {key: group.get(key, default) for key, default in TACO_DEFAULTS.items()}

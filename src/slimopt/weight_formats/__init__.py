@@ -66,8 +66,17 @@ __all__ = [
 
 
 def weight_dtype(name: str) -> str:
-    """The canonical name of weight dtype ``name`` (an alias resolved); raises ``ValueError``
-    naming the valid choices."""
+    """The canonical name of weight dtype ``name``, an alias resolved.
+
+    Args:
+        name: a weight dtype or one of its aliases.
+
+    Returns:
+        One of ``WEIGHT_DTYPES``.
+
+    Raises:
+        ValueError: an unknown name, naming the valid choices.
+    """
     canonical = ALIASES.get(name, name)
     if canonical not in WEIGHT_DTYPES:
         valid = ", ".join([*WEIGHT_DTYPES, *ALIASES])
@@ -94,8 +103,19 @@ def stored_dtype(state: dict[str, Tensor]) -> str:
 
 
 def optimizer_options(dtype: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The optimizer options weights stored as ``dtype`` need, not in ``options`` already;
-    raises ``ValueError`` when ``options`` contradict them."""
+    """The optimizer options that weights stored as ``dtype`` need, not in ``options`` already.
+
+    Args:
+        dtype: a weight dtype (``WEIGHT_DTYPES``).
+        options: the optimizer options given.
+
+    Returns:
+        The options to add: ``param_rounding="corrected"`` for ``"bf16+8"``, ``"stochastic"``
+        for the int8 dtypes, none for the others.
+
+    Raises:
+        ValueError: ``options`` contradict them.
+    """
     needed = OPTIMIZER_OPTIONS.get(weight_dtype(dtype), {})
     for key, value in needed.items():
         if key in options and options[key] != value:
@@ -110,20 +130,33 @@ def quantize_weights(
     block_size: int = BLOCK_SIZE,
     skip: Iterable[str] | None = None,
 ) -> nn.Module:
-    """Store ``model``'s weights in ``dtype`` (``WEIGHT_DTYPES``), in place; returns ``model``.
+    """Store ``model``'s weights in ``dtype``, in place.
 
     "fp32" and "bf16" cast every floating-point parameter and buffer. "int8" casts the model to
     bf16 (unless it is fp32 or bf16 already) and stores every ``nn.Linear`` weight as an
-    ``Int8Weight`` with scales per ``block_size`` columns, except the modules ``skip`` names
-    (those whose name is one of it or ends with ``.`` and one of it; None: the output head, the
-    model's ``get_output_embeddings()`` or else its ``lm_head``), weights shared with
-    another module (a tied embedding) and empty weights (a layer without inputs or outputs);
-    they stay as they are. "int8-embed" stores the input embedding (``get_input_embeddings()``,
-    an ``nn.Embedding``) so too, "int8-all" the embedding and the output head (an ``nn.Linear``);
-    a tied embedding and head are one tensor, quantized once, and need "int8-all". "bf16+8"
-    raises: its correction is the optimizer's state (cast to bf16 and build the optimizer with
-    ``param_rounding="corrected"``). Raises ``ValueError`` naming a bad dtype or block size, a
-    model already in int8 asked for another dtype, or an embedding or head the dtype cannot take.
+    [Int8Weight][slimopt.weight_formats.Int8Weight] with one scale per ``block_size`` columns,
+    except the modules ``skip`` names, weights shared with another module (a tied embedding) and
+    empty weights; they stay as they are. "int8-embed" stores the input embedding
+    (``get_input_embeddings()``, an ``nn.Embedding``) so too, "int8-all" the embedding and the
+    output head (an ``nn.Linear``); a tied embedding and head are one tensor, quantized once, and
+    need "int8-all". What each costs in quality: [weight formats](../results/weights.md).
+
+    Args:
+        model: the model, changed in place.
+        dtype: one of ``WEIGHT_DTYPES``: ``"fp32"``, ``"bf16"``, ``"int8"``, ``"int8-embed"``,
+            ``"int8-all"``. ``"bf16+8"`` raises: its correction is the optimizer's state (cast to
+            bf16 and build the optimizer with ``param_rounding="corrected"``).
+        block_size: columns per int8 scale.
+        skip: names of modules left as they are: a module whose name is one of them or ends with
+            ``.`` and one of them (None: the output head, the model's
+            ``get_output_embeddings()`` or else its ``lm_head``).
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        ValueError: a bad dtype or block size, a model already in int8 asked for another dtype, or
+            an embedding or head the dtype cannot take (naming why).
     """
     dtype = weight_dtype(dtype)
     if dtype == "bf16+8":
@@ -247,10 +280,19 @@ def _load_codes(module: nn.Module, state_dict: dict[str, Any], prefix: str, *arg
 
 
 def dequantized_state_dict(model: nn.Module, dtype: torch.dtype | None = torch.bfloat16) -> dict[str, Tensor]:
-    """``model.state_dict()`` with every int8 weight's codes and scales as its values under its
-    own name and floating-point tensors in ``dtype`` (None: as they are): what a plain model of
-    the architecture loads, strictly. A tensor shared under several names (an embedding tied to
-    the head) is under each of them, a copy of it under all but the first, as a file holds it."""
+    """``model.state_dict()`` as a plain model of its architecture loads it, strictly.
+
+    Every int8 weight's codes and scales become its values, under its own name. A tensor shared
+    under several names (an embedding tied to the head) is under each of them, a copy of it under
+    all but the first, as a file holds it.
+
+    Args:
+        model: the model, int8 weights and all.
+        dtype: the dtype of its floating-point tensors (None: as they are).
+
+    Returns:
+        The state dict.
+    """
     state = model.state_dict()
     plain: dict[str, Tensor] = {}
     seen: set[tuple[int, int]] = set()
@@ -271,8 +313,18 @@ def dequantized_state_dict(model: nn.Module, dtype: torch.dtype | None = torch.b
 
 
 def export_weights(model: nn.Module, path: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> Path:
-    """Write ``dequantized_state_dict(model, dtype)`` as a safetensors file at ``path``
-    (atomically: a file of that name appears whole or not at all); returns the path."""
+    """Write ``model``'s weights as a safetensors file that a plain model of its architecture loads.
+
+    Written atomically: a file of that name appears whole or not at all.
+
+    Args:
+        model: the model, int8 weights and all.
+        path: the file to write.
+        dtype: the dtype of its floating-point tensors (None: as they are).
+
+    Returns:
+        The path written.
+    """
     from safetensors.torch import save_file
 
     path = Path(path)
