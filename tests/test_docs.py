@@ -51,27 +51,48 @@ def test_every_code_block_says_its_language_and_none_is_indented() -> None:
         assert [line for line in indented if not line.lstrip().startswith("-")] == [], _name(page)
 
 
-# --- Python blocks: each page's blocks run in order in one namespace, in an empty directory ----
+# --- Python blocks: each block runs on its own, in an empty directory, and shows its output ---
 
 PYTHON_PAGES = [page for page in PAGES if any(language == "python" for language, _ in blocks(page))]
 
 
+def shown_output(quoted: str) -> re.Pattern[str]:
+    """The output a ``text`` block quotes, as a pattern: ``…`` stands for what varies from run to
+    run (a time, a throughput)."""
+    return re.compile(".*?".join(re.escape(part) for part in quoted.strip().split("…")), re.DOTALL)
+
+
 @pytest.mark.parametrize("page", PYTHON_PAGES, ids=_name)
-def test_the_python_blocks_of_a_page_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
+def test_every_python_block_runs_on_its_own_and_shows_what_it_prints(
+    page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader can paste any block alone: each runs in a fresh namespace. A block that prints is
+    followed by a ``text`` block quoting what it prints."""
     text = page.read_text()
     if "init_process_group" in text:  # the page's script as `torchrun --nproc_per_node 1` starts it
         for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
             monkeypatch.setenv(key, value)
         monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    namespace: dict = {"__name__": "__main__"}
-    try:
-        for index, (language, code) in enumerate(blocks(page)):
-            if language == "python":
-                exec(compile(code, f"{_name(page)}, block {index}", "exec"), namespace)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    page_blocks = blocks(page)
+    for index, (language, code) in enumerate(page_blocks):
+        if language != "python":
+            continue
+        directory = tmp_path / f"block-{index}"
+        directory.mkdir()
+        monkeypatch.chdir(directory)
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                exec(compile(code, f"{_name(page)}, block {index}", "exec"), {"__name__": "__main__"})
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        after = page_blocks[index + 1] if index + 1 < len(page_blocks) else ("", "")
+        if printed.getvalue().strip():
+            assert after[0] == "text", f"{_name(page)}, block {index} prints:\n{printed.getvalue()}"
+            assert shown_output(after[1]).fullmatch(printed.getvalue().strip()), (
+                f"{_name(page)}, block {index} prints:\n{printed.getvalue()}"
+            )
 
 
 # --- Shell blocks: every command is one the tools accept -------------------------------------
