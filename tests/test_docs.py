@@ -127,6 +127,29 @@ def shell_commands() -> list[tuple[str, list[str], str | None]]:
     return found
 
 
+def flags_table() -> str:
+    """The command line's flags as the manual's table: one row per flag and help text, with the
+    commands that take it (the parser is the one place they are written)."""
+    import argparse
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    rows: dict[tuple[str, str], list[str]] = {}
+    for command, parser in commands.choices.items():
+        for action in parser._actions:
+            if action.option_strings and action.dest != "help":
+                flag = " / ".join(f"`{option}`" for option in action.option_strings)
+                rows.setdefault((flag, (action.help or "").replace("<", "&lt;")), []).append(command)
+    lines = ["| flag | commands | meaning |", "|---|---|---|"]
+    lines += [f"| {flag} | {', '.join(names)} | {meaning} |" for (flag, meaning), names in rows.items()]
+    return "\n".join(lines) + "\n"
+
+
+def test_the_command_line_page_lists_every_flag_as_the_parser_explains_it() -> None:
+    table = flags_table()
+    page = (ROOT / "docs" / "cli.md").read_text()
+    assert table in page, f"docs/cli.md's table of flags should be:\n{table}"
+
+
 def _extras() -> set[str]:
     return set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
 
