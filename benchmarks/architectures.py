@@ -564,6 +564,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     table = render(results)
     (out / "results.md").write_text(table + "\n")
     plot(results, out / "quality_vs_bytes.png")
+    if args.plot is not None:
+        plot(results, Path(args.plot))
     print(table)
     return results
 
@@ -658,6 +660,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--pretrain-steps", type=int, default=600, help="of the fine-tuning rows' base")
     parser.add_argument("--tiny", action="store_true", help="a smoke run: two rows, two optimizers, 3 steps")
+    parser.add_argument("--plot", help="draw the quality plot here as well")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.optimizers) - set(slimopt.available_optimizers()))
     if unknown or "adamw" not in args.optimizers:

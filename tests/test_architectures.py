@@ -408,7 +408,11 @@ def test_the_architectures_benchmark_runs_end_to_end(tmp_path) -> None:
     plot."""
     from benchmarks import architectures
 
-    results = architectures.main(["--tiny", "--rows", "gpt2,mixtral,qlora", "--out", str(tmp_path)])
+    plot = tmp_path / "manual" / "quality.png"
+    plot.parent.mkdir()
+    results = architectures.main(
+        ["--tiny", "--rows", "gpt2,mixtral,qlora", "--out", str(tmp_path), "--plot", str(plot)]
+    )
     rows = {row["task"]: row for row in results["rows"]}
     assert list(rows) == ["GPT-2 LM", "Mixtral (MoE) LM", "LLaMA → histories, QLoRA r16 (NF4 base)"]
     assert set(rows["LLaMA → histories, QLoRA r16 (NF4 base)"]["optimizers"]) == {"adamw"}
@@ -424,3 +428,4 @@ def test_the_architectures_benchmark_runs_end_to_end(tmp_path) -> None:
     assert "| Mixtral (MoE) LM | val loss |" in table and "metric by learning rate" in table
     assert "| LLaMA → histories, QLoRA r16 (NF4 base) | val loss |" in table
     assert (tmp_path / "quality_vs_bytes.png").stat().st_size > 0
+    assert plot.read_bytes() == (tmp_path / "quality_vs_bytes.png").read_bytes()

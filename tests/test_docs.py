@@ -173,7 +173,10 @@ def check_slimopt(argv: list[str]) -> None:
 
 def check_command(words: list[str]) -> None:
     """One shell command of the docs: the slimopt command line, torchrun of it, a benchmark
-    module, pip with the package's extras, the venv, or the CI script."""
+    module, pytest on files that exist, pip with the package's extras, the venv, mkdocs, or a
+    script of the repository. Leading environment settings (``NAME=value``) are skipped."""
+    while re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        words = words[1:]
     program = Path(words[0]).name
     if program == "slimopt":
         check_slimopt(words[1:])
@@ -181,6 +184,9 @@ def check_command(words: list[str]) -> None:
         check_slimopt(words[words.index("slimopt.cli") + 1 :])
     elif program in ("python", "python3") and words[1:3] == ["-m", "venv"]:
         return
+    elif program in ("python", "python3") and words[1:3] == ["-m", "pytest"]:
+        paths = [word.split("::")[0] for word in words[3:] if not word.startswith("-")]
+        assert all((ROOT / path).exists() for path in paths), words
     elif program in ("python", "python3"):
         script = words[2].replace(".", "/") + ".py" if words[1] == "-m" else words[1]
         assert (ROOT / script).is_file(), words
@@ -190,6 +196,8 @@ def check_command(words: list[str]) -> None:
                 assert set(word[2:-1].split(",")) <= _extras(), word
     elif program == "bash":
         assert (ROOT / words[1]).is_file(), words
+    elif program == "mkdocs":
+        assert words[1] in ("build", "serve"), words
     else:
         raise AssertionError(f"a command the docs test does not know how to check: {words}")
 
