@@ -638,7 +638,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     axes.set_xscale("log")
     axes.set_xlabel("optimizer state, relative to AdamW fp32")
     axes.set_ylabel("worse than AdamW (% loss or accuracy points)")
-    axes.set_title("One point per optimizer and task")
+    axes.set_title("One point per optimizer and task, each at its best learning rate")
     axes.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

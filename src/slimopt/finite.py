@@ -69,7 +69,7 @@ def _finite(tensors: list[Tensor], host_reads: bool) -> Tensor:
     read (at no cost there), each tensor's sum: a finite sum means finite elements, and only a
     tensor whose sum is not finite (a non-finite element, or an overflow) is decided by its
     extremes (``aminmax`` takes about 2.8 times as long as ``sum``, and the multi-tensor norm of
-    ord=inf falls back to a slower per-tensor loop there: docs/results/storage.md). Elsewhere
+    ord=inf falls back to a slower per-tensor loop there: docs/changes.md). Elsewhere
     each tensor's extremes."""
     device = tensors[0].device.type
     if device == "cuda":

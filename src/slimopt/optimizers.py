@@ -141,8 +141,8 @@ class AdamWTernary(GaLoreAdamW):
     moving average keeps that rounding noise for about 1 / (1 − β₁²) steps. At β₁ = 0.9 the
     stored moment is off by 3–4 times its own norm and pretraining loses 6–10% of loss against
     fp32 AdamW; at 0.7 it stays within 2% on the rows measured, with less loss than at 0.5
-    (docs/results/ternary.md). A checkpoint brings its own ``betas``, as in ``torch.optim``: runs
-    saved with 0.9 continue with 0.9.
+    ([ternary states](../results/ternary.md)). A checkpoint brings its own ``betas``, as in
+    ``torch.optim``: runs saved with 0.9 continue with 0.9.
     """
 
     default_states = "ternary"
@@ -252,7 +252,7 @@ class Muon8bit(Muon):
 
 class Muon4bit(Muon):
     """Muon with a block-wise 4-bit momentum (``states="int4"``) in blocks of 256 values (one
-    fp32 scale per 256: 0.516 bytes per parameter; ``docs/results/muon.md`` measures the cost)."""
+    fp32 scale per 256: 0.516 bytes per parameter; [Muon's results](../results/muon.md) measure the cost)."""
 
     default_states = "int4"
     default_block_size = 256
@@ -266,7 +266,7 @@ class MuonTernary(Muon):
     buffer keeps that rounding noise for about 1 / (1 − momentum²) steps, and the
     orthogonalization lifts the noise's small directions to the size of the signal's. On the
     architectures benchmark's LLaMA row, 0.95 ended 20% behind fp32 Muon, 0.5 within 5%
-    (docs/results/muon.md). A checkpoint brings its own ``momentum``, as in ``torch.optim``.
+    ([Muon's results](../results/muon.md)). A checkpoint brings its own ``momentum``, as in ``torch.optim``.
     """
 
     default_states = "ternary"

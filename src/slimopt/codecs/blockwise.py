@@ -11,7 +11,7 @@ midpoint lies inside a bucket. The bucket's entry packs its first code and where
 that midpoint lies, as a key of the 15 bits below the bucket's (in value order: reversed for
 negative numbers); the code is the first code, plus one past the midpoint. A second moment's
 floor (positive values never take the zero code) is part of the table too. The codes are
-``torch.bucketize``'s (tested), found faster on the CPU (docs/results/storage.md), and in a
+``torch.bucketize``'s (tested), found faster on the CPU (docs/changes.md), and in a
 compiled loop one lookup per element instead of two dependent ones.
 
 An infinite element (a second moment whose (1 − β₂)·g² overflowed) saturates: its block's

@@ -25,7 +25,7 @@ holds the digits of rows 5a … 5a+4 of column c and block (b, c) covers rows 8b
 last byte and block are padded). A pass over the matrix row by row then reads the codes and
 exponents of a row as contiguous vectors, as it reads the row's values: the fused step decodes
 in its vector loop instead of gathering bytes and exponents element by element (measured:
-docs/results/storage.md). A matrix of
+docs/changes.md). A matrix of
 fewer rows is laid out as one column of its elements in order: padding a few rows to a whole
 block would cost more than the layout saves.
 """

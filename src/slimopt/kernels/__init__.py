@@ -140,7 +140,7 @@ def adamw_steps(
     With ``triton`` (``FusedPolicy.triton_on`` of the device), one launch of the multi-tensor
     kernel (``triton_multi_tensor``), where a launch per tensor costs more than the update of a
     norm's few thousand elements. Elsewhere one compiled call, where each call pays dynamo's
-    guards and wrappers (docs/results/storage.md): grouped, a model's norms and biases pay them
+    guards and wrappers (docs/changes.md): grouped, a model's norms and biases pay them
     once. Shapes are constants there: one compilation per set of tensors, which a model keeps
     from step to step."""
     if triton:

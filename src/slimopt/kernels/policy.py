@@ -41,7 +41,7 @@ class FusedPolicy:
     ``torch.compile`` (``triton``: CUDA, with Triton installed), and where a fused update's
     non-finite decision stays on the device as a flag instead of being read by the host
     (``flags``: CUDA; on the CPU reading a flag waits for nothing, while masking every write
-    with it costs: docs/results/storage.md, the masked and the read-first int8 step), and where
+    with it costs: docs/changes.md, the masked and the read-first int8 step), and where
     Muon's Newton–Schulz iteration runs in the Triton kernels of ``triton_newton_schulz``
     (``iteration``: nowhere by default, torch's batched products instead, until the kernels are
     measured against them on a GPU). Each optimizer's engine owns one (the tests give the CPU
