@@ -451,6 +451,7 @@ def test_every_entry_point_documents_its_arguments_result_and_errors(
         obj = getattr(getattr(importlib.import_module(owner), cls_name), name)
     function = obj.__init__ if inspect.isclass(obj) else obj
     text = _rendered(reference_pages, identifier)
+    assert "][" not in text, f"{identifier}: a cross-reference left as text"
     signature = inspect.signature(function)
     names = [n for n in signature.parameters if n != "self"]
     if names:

@@ -294,7 +294,7 @@ def decoded_state(optimizer: SlimoptOptimizer, param: Tensor) -> dict[str, Tenso
         param: one of its parameters.
 
     Returns:
-        Each moment by state key: in the parameter's shape, or a projected matrix's rank-r space
+        Each moment by state key, in the parameter's shape or a projected matrix's rank-r space
         (see [SlimoptOptimizer.decoded_state][slimopt.SlimoptOptimizer.decoded_state]).
 
     Raises:

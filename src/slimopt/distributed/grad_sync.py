@@ -233,8 +233,8 @@ def sync_gradients(model: nn.Module, optimizer: Any, mode: str = "auto", group: 
         group: DDP's process group (None: all processes).
 
     Returns:
-        The hook's state, a [GradientSync][slimopt.distributed.grad_sync.GradientSync]: the bytes
-        it sends.
+        The hook's state, a [GradientSync][slimopt.distributed.grad_sync.GradientSync], which
+        counts the bytes it sends.
 
     Raises:
         TypeError: a model that is not DDP, or an optimizer that is not slimopt's.

@@ -97,8 +97,8 @@ def plan_memory(
             ``update_proj_gap``, …).
 
     Returns:
-        The [MemoryPlan][slimopt.planner.MemoryPlan]: the peak, the term (weights, gradients,
-        states, bases, activations, workspace) at the peak, and what outlives a step.
+        The plan, a [MemoryPlan][slimopt.planner.MemoryPlan], with the peak, each term (weights,
+        gradients, states, bases, activations, workspace) at the peak, and what outlives a step.
 
     Raises:
         ValueError: a bad model, optimizer, size, dtype or rank, naming it.

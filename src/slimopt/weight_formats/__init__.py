@@ -110,8 +110,8 @@ def optimizer_options(dtype: str, options: dict[str, Any]) -> dict[str, Any]:
         options: the optimizer options given.
 
     Returns:
-        The options to add: ``param_rounding="corrected"`` for ``"bf16+8"``, ``"stochastic"``
-        for the int8 dtypes, none for the others.
+        The options to add, ``param_rounding="corrected"`` for ``"bf16+8"`` and ``"stochastic"``
+        for the int8 dtypes; none for the others.
 
     Raises:
         ValueError: ``options`` contradict them.
