@@ -429,3 +429,14 @@ def test_the_architectures_benchmark_runs_end_to_end(tmp_path) -> None:
     assert "| LLaMA → histories, QLoRA r16 (NF4 base) | val loss |" in table
     assert (tmp_path / "quality_vs_bytes.png").stat().st_size > 0
     assert plot.read_bytes() == (tmp_path / "quality_vs_bytes.png").read_bytes()
+
+
+def test_the_benchmark_refuses_an_optimizer_its_rows_would_leave_out(capsys) -> None:
+    """Muon is benchmarks.muon's (its own sweep): named here it would be skipped by every row,
+    so it is refused before anything runs."""
+    from benchmarks import architectures
+
+    with pytest.raises(SystemExit) as stop:
+        architectures.main(["--optimizers", "adamw,muon", "--out", "unused"])
+    assert stop.value.code == 2
+    assert "not ['muon']" in capsys.readouterr().err
