@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -143,6 +143,8 @@ def test_stacked_experts_are_one_batch() -> None:
 
 
 @settings(max_examples=12, deadline=None)
+@example(batch=2, rows=2, columns=62, seed=567)
+@example(batch=3, rows=55, columns=3, seed=22798)
 @given(
     batch=st.integers(1, 4),
     rows=st.integers(1, 70),
@@ -152,11 +154,17 @@ def test_stacked_experts_are_one_batch() -> None:
 def test_a_stack_is_orthogonalized_as_each_matrix_alone(
     batch: int, rows: int, columns: int, seed: int
 ) -> None:
-    """The batched iteration (on CUDA without Triton) gives each matrix of a stack the bits it
-    gets alone (on the CPU, where both are measured)."""
+    """The batched iteration (on CUDA without Triton) gives each matrix of a stack what it gets
+    alone (on the CPU, where both are measured), within the iteration's bf16 round-off: the
+    batched products sum in another order, so a near-tie may round to the other bf16 neighbour,
+    and the iteration carries it on (1,500 thin stacks of 1–3 rows: 20 differed, by at most
+    0.95% relative; 400 stacks of any shape: none). A matrix mixed up with another, or
+    normalized by the stack's norm, is off by far more."""
     stack = torch.randn(batch, rows, columns, generator=torch.Generator().manual_seed(seed))
     alone = torch.stack([orthogonalized(matrix, NS_COEFFICIENTS, 5, 1e-7) for matrix in stack])
-    assert torch.equal(orthogonalized(stack, NS_COEFFICIENTS, 5, 1e-7), alone)
+    batched = orthogonalized(stack, NS_COEFFICIENTS, 5, 1e-7)
+    for one, its_own in zip(batched.float(), alone.float(), strict=True):
+        assert (one - its_own).norm() <= 2e-2 * its_own.norm()
 
 
 def test_triton_products_and_iteration_in_the_interpreter() -> None:
