@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -565,7 +566,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     (out / "results.md").write_text(table + "\n")
     plot(results, out / "quality_vs_bytes.png")
     if args.plot is not None:
-        plot(results, Path(args.plot))
+        shutil.copyfile(out / "quality_vs_bytes.png", args.plot)
     print(table)
     return results
 

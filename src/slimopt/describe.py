@@ -29,7 +29,7 @@ def _side(param: Tensor, group: dict) -> str:
 
 
 def describe(optimizer: SlimoptOptimizer, model: nn.Module | None = None, *, parameters: bool = True) -> str:
-    """A plain-text summary of ``optimizer``, as ``slimopt describe`` prints it.
+    """A plain-text summary of ``optimizer``: its groups are what ``slimopt train`` prints first.
 
     Per param group: its settings, state bytes (0 before the first step creates the state) and
     update path (fused or reference, and why); then, with ``parameters``, each parameter with its

@@ -96,8 +96,9 @@ def build_optimizer(
         return _build_muon(name, model, lr=lr, rank=rank, target_modules=target_modules, **options)
     unprojected = _unprojected_states(name, options)
     rank, projection = _projection_asked(name, rank, target_modules, options)
-    groups = _named_groups(model, spec, rank, target_modules, projection, unprojected)
-    return spec.cls([g for g in groups if g["params"]], lr=lr, **options)
+    return spec.cls(
+        _named_groups(model, spec, rank, target_modules, projection, unprojected), lr=lr, **options
+    )
 
 
 def _named_groups(
@@ -108,7 +109,7 @@ def _named_groups(
     projection: dict[str, Any],
     unprojected: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    """``build_optimizer``'s param groups for ``model``, empty ones included, in its order."""
+    """``build_optimizer``'s param groups for ``model`` in its order, empty ones left out."""
     # model.parameters() yields a tied parameter (an embedding shared with the output head) once.
     params = {id(p): p for p in model.parameters() if p.requires_grad}
     projected_ids: set[int] = set()
@@ -141,7 +142,7 @@ def _named_groups(
         },
         {"name": "no_decay", "params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return groups
+    return [group for group in groups if group["params"]]
 
 
 def _unprojected_states(name: str, options: dict[str, Any]) -> dict[str, Any]:
